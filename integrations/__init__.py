@@ -1,0 +1,1 @@
+"""Thin adapters from training frameworks to the lazyckpt engine."""

@@ -1,0 +1,47 @@
+"""lazyckpt: lazy asynchronous multi-level checkpointing for PyTorch, Lightning and Accelerate.
+
+Example:
+    >>> import lazyckpt
+    >>> with lazyckpt.LazyCheckpointer("runs/ckpt", keep_last_k=2) as ckpt:     # doctest: +SKIP
+    ...     pending = ckpt.save({"model": model.state_dict()}, step=1, optimizers=[opt])
+    ...     ckpt.wait_staged()        # right before the next optimizer.step()
+    >>> state = lazyckpt.load(lazyckpt.latest("runs/ckpt"))                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lazyckpt._version import __version__
+from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy
+from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
+from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError,
+                             DirectoryLockedError, SnapshotConsistencyError, StepAlreadyCommittedError,
+                             UnsupportedValueError)
+from lazyckpt.job import CheckpointStats
+from lazyckpt.load import checkpoint_step, latest, load, verify
+from lazyckpt.rng import capture_rng_state, restore_rng_state
+from lazyckpt.state import Deferred
+
+_INTEGRATIONS = {
+    "LazyCheckpoint": "lazyckpt.integrations.lightning",
+    "LazyCheckpointHook": "lazyckpt.integrations.accelerate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # The integrations import lightning / accelerate; load them only when asked for.
+    if name in _INTEGRATIONS:
+        import importlib
+
+        return getattr(importlib.import_module(_INTEGRATIONS[name]), name)
+    raise AttributeError(f"module 'lazyckpt' has no attribute {name!r}")
+
+
+__all__ = sorted([
+    "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointNotFoundError",
+    "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
+    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "PendingCheckpoint", "SnapshotConsistencyError",
+    "StepAlreadyCommittedError", "UnsupportedValueError", "__version__", "capture_rng_state", "checkpoint_step",
+    "latest", "load", "restore_rng_state", "verify",
+])

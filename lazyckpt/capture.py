@@ -1,0 +1,98 @@
+"""What happens inside ``save()`` on the training thread: flatten, classify lazy/eager, plan, copy eager tensors.
+
+A tensor is *lazy* when it shares storage with a parameter or state tensor of the given optimizers, or with a
+tensor the caller declared immutable: those stay unchanged until the next ``optimizer.step()``, which the barrier
+orders after their copy. Everything else (buffers mutated by forward, RNG states, unknown tensors) is copied
+*eagerly* here, so the snapshot holds its request-time value.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from lazyckpt.checksum import num_chunks
+from lazyckpt.config import CheckpointConfig
+from lazyckpt.format import PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, step_dirname
+from lazyckpt.job import CheckpointJob, CheckpointStats
+from lazyckpt.plan import TensorEntry, layout, plan_pieces
+from lazyckpt.staging import CopyBackend
+from lazyckpt.state import flatten
+from lazyckpt.storage import Storage
+
+
+def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],
+                       immutable: Iterable[torch.Tensor | torch.nn.Module]) -> set[tuple[torch.device, int]]:
+    """Identities of the storages that stay unchanged until the next optimizer update."""
+    found: set[tuple[torch.device, int]] = set()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            found.add(_storage_id(t))
+
+    for opt in optimizers:
+        if not hasattr(opt, "param_groups"):
+            raise TypeError(f"optimizers must hold torch optimizers; got {type(opt).__name__}")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                add(p)
+        for per_param in opt.state.values():
+            for value in per_param.values():
+                add(value)
+    for item in immutable:
+        if isinstance(item, torch.nn.Module):
+            for p in item.parameters():
+                add(p)
+        elif isinstance(item, torch.Tensor):
+            add(item)
+        else:
+            raise TypeError(f"immutable must hold tensors or nn.Modules; got {type(item).__name__}")
+    return found
+
+
+def _storage_id(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig, storage: Storage,
+                optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[torch.Tensor | torch.nn.Module],
+                backend_for: Callable[[list[torch.Tensor]], CopyBackend]) -> CheckpointJob:
+    """Build the job for one ``save()``; eager tensors are copied before this returns."""
+    tree, leaves, deferred = flatten(state)
+    lazy_ids = immutable_storages(optimizers, immutable)
+    tensors = dict(leaves)
+    entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
+                           lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
+               for key, t in leaves]
+    placed, data_bytes = layout(entries)
+    header = build_header(placed, dcp_sharding_metadata(placed))
+    _check_free_space(storage, dirpath, len(header) + data_bytes + config.min_free_bytes, step)
+    backend = backend_for(list(tensors.values()))
+    sources, versions = [], {}
+    for index, entry in enumerate(placed):
+        tensor = tensors[entry.key]
+        if entry.lazy:
+            sources.append(tensor.detach())
+            versions[index] = tensor._version
+        else:
+            sources.append(backend.copy_eager(tensor))
+    name = step_dirname(step)
+    return CheckpointJob(
+        step=step, dirpath=dirpath, partial_dir=os.path.join(dirpath, name + PARTIAL_SUFFIX),
+        final_dir=os.path.join(dirpath, name), rank=config.rank, world_size=config.world_size, tree=tree,
+        entries=placed, pieces=plan_pieces(placed), sources=sources, versions=versions, deferred=deferred,
+        header=header, checksums={e.key: [""] * num_chunks(e.nbytes) for e in placed},
+        stats=CheckpointStats(step=step, nbytes=len(header) + data_bytes,
+                              lazy_bytes=sum(e.nbytes for e in placed if e.lazy)),
+    )
+
+
+def _check_free_space(storage: Storage, dirpath: str, needed: int, step: int) -> None:
+    free = storage.free_bytes(dirpath)
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"lazyckpt: checkpoint of step {step} needs {needed / 1e6:.1f} MB but only "
+                      f"{free / 1e6:.1f} MB are free in {dirpath}; free space, lower keep_last_k or move dirpath")

@@ -1,0 +1,83 @@
+"""The per-chunk checksum fixed by the format (``lzc64-v1``, see docs/FORMAT.md).
+
+A tensor's bytes are cut into chunks of :data:`CHUNK_BYTES` counted from the tensor's first byte; each chunk
+gets one 64-bit checksum. The function is position-dependent (swapped words change it) and additive over
+words, so the Triton copy kernel can compute it in the same pass as the copy and agree bit for bit:
+
+    pad the chunk with zero bytes to a multiple of 8, read little-endian uint64 words w[0..n)
+    x[i] = (w[i] XOR ((i + 1) * K1)) * M1          (mod 2**64)
+    x[i] = x[i] XOR (x[i] >> 29)                    (logical shift)
+    checksum = (sum(x) + nbytes * K1)               (mod 2**64)
+
+Example:
+    >>> chunk_checksums(torch.arange(4, dtype=torch.int32))  # doctest: +SKIP
+    [12345...]
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+ALGORITHM = "lzc64-v1"
+CHUNK_BYTES = 1 << 20
+K1 = 0x9E3779B97F4A7C15
+M1 = 0xBF58476D1CE4E5B9
+SHIFT = 29
+_MASK64 = (1 << 64) - 1
+_WORDS = CHUNK_BYTES // 8
+_POSITION_KEYS = np.arange(1, _WORDS + 1, dtype=np.uint64) * np.uint64(K1)
+_scratch = threading.local()
+
+
+def _scratch_buffers() -> tuple[np.ndarray, np.ndarray]:
+    # One pair per thread: the copier and the loader may checksum concurrently.
+    if not hasattr(_scratch, "bufs"):
+        _scratch.bufs = (np.empty(_WORDS, np.uint64), np.empty(_WORDS, np.uint64))
+    return _scratch.bufs
+
+
+def checksum_bytes(chunk: np.ndarray) -> int:
+    """Checksum of one chunk given as a flat uint8 numpy array of at most ``CHUNK_BYTES`` bytes."""
+    nbytes = chunk.size
+    if nbytes > CHUNK_BYTES:
+        raise ValueError(f"chunk of {nbytes} bytes exceeds CHUNK_BYTES={CHUNK_BYTES}; split it first")
+    if nbytes % 8:
+        padded = np.zeros(nbytes + (-nbytes % 8), np.uint8)
+        padded[:nbytes] = chunk
+        chunk = padded
+    words = chunk.view("<u8")
+    n = words.size
+    mixed, shifted = (buf[:n] for buf in _scratch_buffers())
+    np.bitwise_xor(words, _POSITION_KEYS[:n], out=mixed)
+    np.multiply(mixed, np.uint64(M1), out=mixed)
+    np.right_shift(mixed, np.uint64(SHIFT), out=shifted)
+    np.bitwise_xor(mixed, shifted, out=mixed)
+    total = int(mixed.sum(dtype=np.uint64))
+    return (total + nbytes * K1) & _MASK64
+
+
+def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def num_chunks(nbytes: int) -> int:
+    """How many checksum chunks a tensor of ``nbytes`` bytes has (0 for an empty tensor)."""
+    return -(-nbytes // CHUNK_BYTES)
+
+
+def chunk_checksums(tensor: torch.Tensor) -> list[int]:
+    """Checksums of every chunk of a contiguous CPU tensor, in order."""
+    data = tensor_bytes(tensor)
+    return [checksum_bytes(data[i : i + CHUNK_BYTES]) for i in range(0, data.size, CHUNK_BYTES)]
+
+
+def format_checksum(value: int) -> str:
+    """The manifest's spelling of a checksum: 16 lowercase hex digits."""
+    return f"{value:016x}"

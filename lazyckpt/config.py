@@ -1,0 +1,88 @@
+"""Configuration: one keyword-only dataclass, validated once at construction."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+
+class CopyBackendName(str, enum.Enum):
+    """How bytes move from the live tensors into host staging buffers."""
+
+    AUTO = "auto"
+    """``cuda`` when any tensor is on a GPU and CUDA is available, else ``cpu``."""
+    CPU = "cpu"
+    """A background thread copies chunk by chunk (torch ``copy_`` releases the GIL)."""
+    CUDA = "cuda"
+    """``copy_(non_blocking=True)`` on a dedicated stream ordered after the compute stream by an event."""
+    TRITON = "triton"
+    """Triton multi-tensor chunked copy kernels with fused checksums (``lazyckpt.triton_kernels``)."""
+
+
+class OnBusy(str, enum.Enum):
+    """What ``save()`` does while the previous checkpoint is still in flight."""
+
+    WAIT = "wait"
+    """Block until the previous checkpoint is committed, then take the new one."""
+    SKIP = "skip"
+    """Drop the new request with a warning; its handle's ``wait()`` returns ``None``."""
+
+
+def _parse_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
+    try:
+        return enum_cls(value)
+    except ValueError as e:
+        choices = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {choices}") from e
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Settings of a :class:`~lazyckpt.LazyCheckpointer` (its keyword arguments)."""
+
+    keep_last_k: int | None = None
+    """Keep only the newest k committed checkpoints (None keeps all). Older ones are removed only after a newer
+    one is committed, so the only committed checkpoint is never removed."""
+    host_buffer_bytes: int | None = None
+    """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole chunks). A smaller
+    budget works: chunks cycle through the pool as the writer frees them, and the barrier waits longer."""
+    copy_backend: CopyBackendName | str = CopyBackendName.AUTO
+    """One of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"`` (see :class:`CopyBackendName`)."""
+    on_busy: OnBusy | str = OnBusy.WAIT
+    """``"wait"`` or ``"skip"`` (see :class:`OnBusy`)."""
+    rank: int = 0
+    """This process's rank; each rank writes its own tensor file."""
+    world_size: int = 1
+    """How many ranks write each checkpoint; it is committed only when all of their files are durable."""
+    verify_on_load: bool = True
+    """Default of ``verify`` for loads made through this checkpointer."""
+    commit_timeout_s: float = 600.0
+    """How long rank 0 waits for the other ranks' files before failing the checkpoint."""
+    min_free_bytes: int = 0
+    """Extra free space to keep on the file system beyond the checkpoint's own bytes."""
+    fsync: bool = True
+    """Make every file durable before commit. Turn off only for throwaway runs (tests of speed, tmpfs)."""
+
+    def __post_init__(self) -> None:
+        self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
+        self.on_busy = _parse_enum(OnBusy, "on_busy", self.on_busy)
+        if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
+            raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
+        if self.host_buffer_bytes is not None and self.host_buffer_bytes < 1:
+            raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be positive or None (one checkpoint)")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size!r})")
+        if self.commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s={self.commit_timeout_s!r} must be positive")
+        if self.min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes={self.min_free_bytes!r} must be >= 0")
+
+
+def normalize_dirpath(dirpath: str | os.PathLike[str]) -> str:
+    """An absolute path string for ``dirpath``, with a clear error for an unusable value."""
+    if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
+        raise ValueError(f"dirpath={dirpath!r} must be a non-empty path to a directory")
+    return os.path.abspath(os.fspath(dirpath))
+
+

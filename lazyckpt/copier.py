@@ -1,0 +1,138 @@
+"""The copier: one background thread per checkpointer that stages a job's bytes and feeds the writer.
+
+Lazy pieces go first (they gate the barrier), through the host pool and the copy backend; eager pieces are
+already private CPU copies and go to the writer straight from there. Every job ends with one finalize task on
+the writer, queued last, whether the job succeeded or not.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from lazyckpt.checksum import checksum_bytes, format_checksum, tensor_bytes
+from lazyckpt.errors import SnapshotConsistencyError
+from lazyckpt.job import CheckpointJob
+from lazyckpt.plan import Piece, lazy_bytes
+from lazyckpt.staging import CopyBackend, HostBufferPool
+from lazyckpt.staging.pool import slots_for
+from lazyckpt.storage import Storage
+from lazyckpt.writer import CallTask, SharedWriter, WriteTask, _lower_thread_priority
+
+MAX_BATCH_PIECES = 64
+"""Pieces handed to the backend at once (one Triton launch, one stream sync)."""
+
+
+class Copier:
+    """Owns the host pool and the copy thread of one checkpointer."""
+
+    def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage,
+                 finalize: Callable[[CheckpointJob], None]) -> None:
+        self.backend = backend
+        self.budget_bytes = budget_bytes
+        self.storage = storage
+        self.finalize = finalize
+        self.pool: HostBufferPool | None = None
+        self._jobs: queue.SimpleQueue[CheckpointJob | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="lazyckpt-copier", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: CheckpointJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self.pool = None
+
+    def _loop(self) -> None:
+        _lower_thread_priority()
+        while (job := self._jobs.get()) is not None:
+            writer = SharedWriter.get()
+            try:
+                self._stage(job, writer)
+            except BaseException as e:  # noqa: BLE001 - the job carries it to the training thread
+                job.fail(e)
+            finally:
+                job.staged.set()
+                writer.submit(CallTask(job, lambda job=job: self.finalize(job), always=True))
+
+    def _stage(self, job: CheckpointJob, writer: SharedWriter) -> None:
+        self.storage.make_dir(job.partial_dir)
+        job.handle = self.storage.open_write(job.file_path)
+        writer.submit(WriteTask(job, self.storage, job.handle, 0, [memoryview(job.header)]))
+        pool = self._pool_for(lazy_bytes(job.entries))
+        lazy = [p for p in job.pieces if p.lazy]
+        flat = [self.backend.prepare_source(t) if e.lazy else None for e, t in zip(job.entries, job.sources)]
+        for start in range(0, len(lazy), MAX_BATCH_PIECES):
+            self._copy_batch(job, flat, lazy[start : start + MAX_BATCH_PIECES], pool, writer)
+            if job.failed:
+                return
+        _check_versions(job)
+        job.stats.copy_s = time.monotonic() - job.requested_at
+        job.staged.set()
+        for piece in (p for p in job.pieces if not p.lazy):
+            _write_eager_piece(job, piece, writer, self.storage)
+
+    def _pool_for(self, nbytes: int) -> HostBufferPool:
+        wanted = slots_for(self.budget_bytes, nbytes)
+        # The previous job is fully written before a new one starts (one in flight), so the pool is idle here.
+        if self.pool is None or self.pool.num_slots < wanted:
+            self.pool = None
+            self.pool = HostBufferPool(wanted, pin=self.backend.pin_memory())
+        return self.pool
+
+    def _copy_batch(self, job: CheckpointJob, flat: list, pieces: list[Piece], pool: HostBufferPool,
+                    writer: SharedWriter) -> None:
+        done = 0
+        while done < len(pieces):
+            slots = [pool.acquire(block=True)]  # wait for the writer to free at least one slot
+            while len(slots) < len(pieces) - done and (extra := pool.acquire(block=False)) is not None:
+                slots.append(extra)
+            batch = pieces[done : done + len(slots)]
+            try:
+                sums = self.backend.copy_pieces(flat, batch, [pool.slot(s) for s in slots])
+            except BaseException:
+                for slot in slots:
+                    pool.release(slot)
+                raise
+            for piece, slot, piece_sums in zip(batch, slots, sums):
+                _record_checksums(job, piece, piece_sums)
+                buffer = memoryview(pool.slot(slot)[: piece.nbytes].numpy())
+                writer.submit(WriteTask(job, self.storage, job.handle, _file_offset(job, piece), [buffer],
+                                        release=lambda slot=slot: pool.release(slot)))
+            done += len(batch)
+
+
+def _write_eager_piece(job: CheckpointJob, piece: Piece, writer: SharedWriter, storage: Storage) -> None:
+    buffers, sums = [], []
+    for seg in piece.segments:
+        data = tensor_bytes(job.sources[seg.tensor_index])[seg.src_offset : seg.src_offset + seg.nbytes]
+        sums.append(checksum_bytes(data))
+        buffers.append(memoryview(data))
+    _record_checksums(job, piece, sums)
+    writer.submit(WriteTask(job, storage, job.handle, _file_offset(job, piece), buffers))
+
+
+def _file_offset(job: CheckpointJob, piece: Piece) -> int:
+    return len(job.header) + piece.data_offset
+
+
+def _record_checksums(job: CheckpointJob, piece: Piece, sums: list[int]) -> None:
+    for seg, value in zip(piece.segments, sums, strict=True):
+        job.checksums[job.entries[seg.tensor_index].key][seg.chunk_index] = format_checksum(value)
+
+
+def _check_versions(job: CheckpointJob) -> None:
+    """The safety net behind the barrier: a lazily captured tensor must not change before it is copied."""
+    for index, version in job.versions.items():
+        tensor = job.sources[index]
+        if tensor._version != version:
+            raise SnapshotConsistencyError(
+                f"tensor {job.entries[index].key!r} was modified in place after save(step={job.step}) and "
+                "before its copy finished; call wait_staged() right before optimizer.step() (or pass the tensor "
+                "through neither `optimizers` nor `immutable` so it is copied eagerly)"
+            )
+

@@ -1,0 +1,286 @@
+"""``LazyCheckpointer``: the engine every integration drives.
+
+Example:
+    >>> ckpt = LazyCheckpointer("runs/ckpt", keep_last_k=3)                       # doctest: +SKIP
+    >>> for step in range(1, 101):                                               # doctest: +SKIP
+    ...     loss = model(batch).sum(); loss.backward()
+    ...     ckpt.wait_staged()            # the barrier: the previous snapshot must be staged before the update
+    ...     opt.step(); opt.zero_grad()
+    ...     if step % 10 == 0:
+    ...         ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step=step, optimizers=[opt])
+    >>> ckpt.close()                                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lazyckpt.capture import capture_job
+from lazyckpt.commit import commit
+from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
+from lazyckpt.copier import Copier
+from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
+from lazyckpt.housekeeping import DirectoryLock, remove_partials
+from lazyckpt.job import CheckpointJob, CheckpointStats
+from lazyckpt.retention import committed_steps, steps_to_purge
+from lazyckpt.staging import CopyBackend, make_backend
+from lazyckpt.state import encode_resolved, fill_deferred
+from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.writer import CallTask, SharedWriter
+
+logger = logging.getLogger(__name__)
+_OPEN: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
+
+
+class PendingCheckpoint:
+    """The handle ``save()`` returns. ``wait()`` gives the committed directory (``None`` if the request was skipped)."""
+
+    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int) -> None:
+        self._checkpointer = checkpointer
+        self._job = job
+        self.step = step
+        self.skipped = job is None
+        self.path = None if job is None else job.final_dir
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or failed (or was skipped)."""
+        return self._job is None or self._job.done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Pass the barrier, then block until the checkpoint is durable and committed; returns its directory.
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` seconds.
+            BaseException: the background failure of this checkpoint (the original exception object).
+        """
+        if self._job is None:
+            return None
+        self._checkpointer._barrier(self._job)
+        if not self._job.done.wait(timeout):
+            raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
+        self._checkpointer._deliver_error(self._job)
+        return self.path
+
+
+class LazyCheckpointer:
+    """Lazy asynchronous checkpoints of a training state into ``dirpath`` (see docs/ and the module example).
+
+    Args:
+        dirpath: directory that holds one ``step-NNNNNNN/`` directory per committed checkpoint.
+        storage: file-system seam (default :class:`~lazyckpt.storage.LocalStorage`).
+        **options: the fields of :class:`~lazyckpt.config.CheckpointConfig` (``keep_last_k``,
+            ``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``rank``, ``world_size``, ...).
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None, **options: Any) -> None:
+        self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
+        self.config = CheckpointConfig(**options)
+        self.dirpath = normalize_dirpath(dirpath)
+        self.storage: Storage = storage if storage is not None else LocalStorage()
+        self.storage.make_dir(self.dirpath)
+        self._lock = DirectoryLock(self.dirpath, self.config.rank)
+        if self.config.rank == 0:
+            remove_partials(self.dirpath, self.storage)
+        self._backend: CopyBackend | None = None
+        self._copier: Copier | None = None
+        self._job: CheckpointJob | None = None
+        self.stats: list[CheckpointStats] = []
+        self._closed = False
+        _OPEN.add(self)
+
+    # --- the public surface ---------------------------------------------------------------------------------
+
+    def save(self, state: Any, *, step: int, optimizers: Iterable[torch.optim.Optimizer] = (),
+             immutable: Iterable[torch.Tensor | torch.nn.Module] = ()) -> PendingCheckpoint:
+        """Request a checkpoint of ``state`` as of now and return at once (see docs/ENGINE_API.md).
+
+        Args:
+            state: nested dict/list/tuple of tensors, plain values and :class:`~lazyckpt.Deferred` leaves.
+            step: the training step; a committed step is never overwritten.
+            optimizers: their parameters and state tensors are copied lazily (they stay unchanged until the
+                next ``optimizer.step()``, which must come after :meth:`wait_staged`).
+            immutable: more tensors, or modules whose parameters, that stay unchanged until the barrier (e.g.
+                frozen base weights in parameter-efficient fine-tuning); copied lazily too.
+
+        Raises:
+            StepAlreadyCommittedError: ``step`` is committed already or in flight.
+            UnsupportedValueError: a value in ``state`` has no safe encoding (the message names its path).
+            OSError: not enough free space (``ENOSPC``), or a background failure of an earlier checkpoint.
+        """
+        started = time.monotonic()
+        self._check_open("save")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        self._deliver_error(self._job)
+        final_dir = os.path.join(self.dirpath, step_dirname(step))
+        if os.path.isdir(final_dir) or (self._job is not None and self._job.step == step and not self._job.failed):
+            raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
+                                            "lazyckpt never overwrites a checkpoint (use a new step number)")
+        if self.in_flight is not None:
+            if self.config.on_busy is OnBusy.SKIP:
+                warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still "
+                              "being written (on_busy='skip')", RuntimeWarning, stacklevel=2)
+                return PendingCheckpoint(self, None, step)
+            self._drain(self._job)
+        job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
+                          optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
+        self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
+        self._job = job
+        self._copier.submit(job)
+        job.stats.save_s = time.monotonic() - started
+        return PendingCheckpoint(self, job, step)
+
+    def wait_staged(self) -> None:
+        """The barrier: returns once the in-flight snapshot no longer needs the live tensors.
+
+        Call it right before the next ``optimizer.step()``. It also evaluates the ``Deferred`` leaves and
+        re-raises a background failure.
+        """
+        if self._job is not None:
+            self._barrier(self._job)
+            self._deliver_error(self._job)
+
+    @property
+    def in_flight(self) -> CheckpointJob | None:
+        """The checkpoint not yet committed (or failed), if any."""
+        return self._job if self._job is not None and not self._job.done.is_set() else None
+
+    def close(self) -> None:
+        """Finish the in-flight checkpoint, stop the copier and release the directory. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        try:
+            if self._job is not None:
+                self._drain(self._job, deliver=False)
+        finally:
+            self._closed = True
+            _OPEN.discard(self)
+            if self._copier is not None:
+                self._copier.stop()
+            self._lock.release()
+        self._deliver_error(self._job)
+
+    def __enter__(self) -> LazyCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) is closed; cannot {what}()")
+
+    def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
+        if self._backend is None:
+            self._backend = make_backend(self.config.copy_backend, tensors)
+            self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
+                                  storage=self.storage, finalize=self._finalize)
+        return self._backend
+
+    def _barrier(self, job: CheckpointJob) -> None:
+        if job.barrier_passed:
+            return
+        started = time.monotonic()
+        job.staged.wait()
+        if not job.failed:
+            try:
+                resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
+                job.tree = fill_deferred(job.tree, resolved)
+            except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
+                job.fail(e)
+        job.pass_barrier()
+        job.stats.wait_s += time.monotonic() - started
+        if job.ready_to_commit():
+            SharedWriter.get().submit(CallTask(job, lambda: self._commit(job), always=True))
+
+    def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
+        self._barrier(job)
+        job.done.wait()
+        if deliver:
+            self._deliver_error(job)
+
+    def _deliver_error(self, job: CheckpointJob | None) -> None:
+        if job is not None and job.error is not None and not job.error_delivered:
+            job.error_delivered = True
+            raise job.error
+
+    def _finalize(self, job: CheckpointJob) -> None:
+        """Writer thread, after the job's last write: make the file durable, then commit if the barrier passed."""
+        try:
+            if job.handle is not None:
+                self.storage.close(job.handle, sync=self.config.fsync and not job.failed)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        job.handle = None
+        job.sources = []
+        if job.failed:
+            self._discard(job)
+            return
+        job.written.set()
+        if job.ready_to_commit():
+            self._commit(job)
+
+    def _commit(self, job: CheckpointJob) -> None:
+        try:
+            commit(job, self.storage, sync=self.config.fsync, timeout_s=self.config.commit_timeout_s)
+            job.stats.flush_s = time.monotonic() - job.requested_at
+            self.stats.append(job.stats)
+            logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
+                        job.stats.flush_s)
+            if job.rank == 0:
+                self._purge(job.step)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+            self._discard(job)
+            return
+        job.done.set()
+
+    def _discard(self, job: CheckpointJob) -> None:
+        """A failed checkpoint leaves nothing behind; committed ones are never touched."""
+        if job.rank == 0:
+            self.storage.remove_tree(job.partial_dir)
+        else:
+            try:
+                os.remove(job.file_path)
+            except OSError:
+                pass
+        job.done.set()
+
+    def _purge(self, just_committed: int) -> None:
+        steps = committed_steps(self.dirpath)
+        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed):
+            # Rename first: a crash mid-delete leaves a partial directory, never a half-deleted "committed" one.
+            doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
+            os.rename(steps[step], doomed)
+            self.storage.remove_tree(doomed)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except BaseException:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+@atexit.register
+def _close_open_checkpointers() -> None:
+    # Finish what was requested before the interpreter exits normally; a crash leaves only partial dirs.
+    for checkpointer in list(_OPEN):
+        try:
+            checkpointer.close()
+        except BaseException as e:  # noqa: BLE001
+            logger.error("lazyckpt: closing %s at exit failed: %r", checkpointer.dirpath, e)
+
+
+__all__ = ["LazyCheckpointer", "PendingCheckpoint"]

@@ -1,0 +1,31 @@
+"""The few exceptions lazyckpt raises; each subclasses the builtin it refines."""
+
+from __future__ import annotations
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint on disk breaks a rule of docs/FORMAT.md (bad header, offsets, manifest, paths)."""
+
+
+class CheckpointCorruptError(CheckpointFormatError):
+    """Stored bytes do not match their recorded checksum (or the file is truncated)."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The path is not a committed lazyckpt checkpoint (missing, partial or uncommitted)."""
+
+
+class StepAlreadyCommittedError(FileExistsError):
+    """A checkpoint for this step is already committed; lazyckpt never overwrites one."""
+
+
+class SnapshotConsistencyError(RuntimeError):
+    """A lazily captured tensor changed in place inside the immutability window (torn snapshot)."""
+
+
+class DirectoryLockedError(RuntimeError):
+    """Another live checkpointer of this process or another one writes the same directory and rank."""
+
+
+class UnsupportedValueError(TypeError):
+    """A value in the state has no safe encoding; the message names its key path."""

@@ -1,0 +1,98 @@
+"""One checkpoint in flight: what was captured, where it goes, and how far it got."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lazyckpt.plan import Piece, TensorEntry
+from lazyckpt.state import Deferred, Path
+
+
+@dataclass
+class CheckpointStats:
+    """Where one checkpoint's time went (seconds) and how big it was."""
+
+    step: int
+    save_s: float = 0.0
+    """Training-thread time inside ``save()``."""
+    wait_s: float = 0.0
+    """Training-thread time inside the barrier (``wait_staged()``)."""
+    copy_s: float = 0.0
+    """From the request until every lazy byte was staged in host memory."""
+    flush_s: float = 0.0
+    """From the request until the checkpoint was committed."""
+    nbytes: int = 0
+    lazy_bytes: int = 0
+
+    @property
+    def stall_s(self) -> float:
+        return self.save_s + self.wait_s
+
+
+@dataclass(eq=False)
+class CheckpointJob:
+    """The state of one requested checkpoint, shared by the training thread, the copier and the writer."""
+
+    step: int
+    dirpath: str
+    partial_dir: str
+    final_dir: str
+    rank: int
+    world_size: int
+    tree: Any
+    entries: list[TensorEntry]
+    pieces: list[Piece]
+    sources: list[torch.Tensor | None]
+    """Per entry: the live tensor (lazy) or its private CPU copy (eager); dropped once written."""
+    versions: dict[int, int]
+    deferred: list[tuple[Path, Deferred]]
+    header: bytes
+    stats: CheckpointStats
+    requested_at: float = field(default_factory=time.monotonic)
+    checksums: dict[str, list[str]] = field(default_factory=dict)
+    error: BaseException | None = None
+    handle: int | None = None
+    staged: threading.Event = field(default_factory=threading.Event)
+    written: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    barrier_passed: bool = False
+    commit_claimed: bool = False
+    error_delivered: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def file_path(self) -> str:
+        from lazyckpt.format import rank_file
+
+        return os.path.join(self.partial_dir, rank_file(self.rank, self.world_size))
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first failure; every waiter wakes up and sees it."""
+        with self._lock:
+            if self.error is None:
+                error.add_note(f"lazyckpt: while saving step {self.step} to {self.final_dir} (rank {self.rank})")
+                self.error = error
+        self.staged.set()
+        self.written.set()
+
+    def pass_barrier(self) -> None:
+        with self._lock:
+            self.barrier_passed = True
+
+    def ready_to_commit(self) -> bool:
+        """True exactly once: when both the bytes are durable and the barrier resolved the Deferred leaves."""
+        with self._lock:
+            if self.written.is_set() and self.barrier_passed and not self.commit_claimed and self.error is None:
+                self.commit_claimed = True
+                return True
+            return False

@@ -1,0 +1,140 @@
+"""Reading checkpoints back: ``load``, ``verify``, ``latest``. Strict, and never executes stored code.
+
+Example:
+    >>> path = latest("runs/ckpt")                      # doctest: +SKIP
+    >>> state = load(path, map_location="cpu")          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, format_checksum
+from lazyckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.format import (MANIFEST, PARTIAL_SUFFIX, check_member_name, check_rank_manifest,
+                             check_top_manifest, read_header, torch_dtype)
+from lazyckpt.retention import committed_steps
+from lazyckpt.unflatten import unflatten
+
+
+def latest(dirpath: str | os.PathLike[str]) -> str | None:
+    """The newest committed checkpoint directory under ``dirpath``, or ``None`` when there is none."""
+    steps = committed_steps(os.fspath(dirpath))
+    return steps[max(steps)] if steps else None
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int:
+    """The step a committed checkpoint directory holds."""
+    return _top_manifest(os.fspath(path))["step"]
+
+
+def load(path: str | os.PathLike[str], *, map_location: str | torch.device | None = None, verify: bool = True,
+         rank: int | None = None) -> Any:
+    """Load the state saved in a committed checkpoint directory.
+
+    Args:
+        path: a ``step-NNNNNNN`` directory (see :func:`latest`).
+        map_location: device to move every tensor to (default: CPU).
+        verify: check every chunk's checksum (on by default).
+        rank: whose state to load in a multi-rank checkpoint (default 0).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        CheckpointFormatError: the files break a format rule (the message says which).
+        CheckpointCorruptError: a checksum does not match (the message names file and tensor).
+    """
+    path = os.fspath(path)
+    top = _top_manifest(path)
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < top["world_size"]:
+        raise ValueError(f"rank={rank} is out of range: {path} was saved by {top['world_size']} rank(s)")
+    doc, tensors = _load_rank(path, top["ranks"][rank], verify=verify)
+    if map_location is not None:
+        tensors = {k: t.to(map_location) for k, t in tensors.items()}
+    return unflatten(doc["tree"], tensors)
+
+
+def verify(path: str | os.PathLike[str]) -> None:
+    """Check every file, header, manifest rule and checksum of every rank; raises on the first problem."""
+    path = os.fspath(path)
+    top = _top_manifest(path)
+    for name in top["ranks"]:
+        _load_rank(path, name, verify=True)
+
+
+def _top_manifest(path: str) -> dict[str, Any]:
+    if path.rstrip("/").endswith(PARTIAL_SUFFIX) or not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise CheckpointNotFoundError(
+            f"{path} is not a committed lazyckpt checkpoint (no {MANIFEST}); pass a step-NNNNNNN directory, "
+            "e.g. lazyckpt.latest(dirpath)")
+    return check_top_manifest(_read_json(os.path.join(path, MANIFEST)), os.path.join(path, MANIFEST))
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{path} is not valid UTF-8 JSON: {e}") from e
+
+
+def _load_rank(path: str, manifest_name: str, *, verify: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    where = os.path.join(path, check_member_name(manifest_name, path))
+    doc = check_rank_manifest(_read_json(where), where)
+    file_path = os.path.join(path, doc["file"])
+    if not os.path.isfile(file_path):
+        raise CheckpointFormatError(f"{where} names tensor file {doc['file']!r}, which is missing")
+    header, data_start = read_header(file_path)
+    _match_manifest(where, file_path, doc["tensors"], header)
+    data = _read_data(file_path, data_start)
+    tensors = {}
+    for key, info in doc["tensors"].items():
+        start, end = info["offsets"]
+        raw = data[start:end]
+        if verify:
+            _verify_tensor(file_path, key, raw.numpy(), info["checksums"])
+        dtype = torch_dtype(info["dtype"])
+        tensors[key] = raw.view(dtype).reshape(info["shape"]) if end > start else torch.empty(info["shape"], dtype=dtype)
+    return doc, tensors
+
+
+def _match_manifest(where: str, file_path: str, tensors: dict[str, Any], header: dict[str, Any]) -> None:
+    if set(tensors) != set(header):
+        missing, extra = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
+        raise CheckpointFormatError(f"{where} and {file_path} disagree: manifest-only tensors {missing[:5]}, "
+                                    f"file-only tensors {extra[:5]}")
+    for key, info in tensors.items():
+        h = header[key]
+        if [info["dtype"], info["shape"], info["offsets"]] != [h["dtype"], h["shape"], h["data_offsets"]]:
+            raise CheckpointFormatError(f"{where} and {file_path} disagree about tensor {key!r}: manifest "
+                                        f"{info['dtype']}{info['shape']}@{info['offsets']}, file "
+                                        f"{h['dtype']}{h['shape']}@{h['data_offsets']}")
+
+
+def _read_data(file_path: str, data_start: int) -> torch.Tensor:
+    size = os.path.getsize(file_path) - data_start
+    data = torch.empty(size, dtype=torch.uint8)
+    if size:
+        view = memoryview(data.numpy())
+        with open(file_path, "rb") as f:
+            f.seek(data_start)
+            got = f.readinto(view)
+        if got != size:
+            raise CheckpointCorruptError(f"{file_path}: file is truncated ({got} of {size} data bytes)")
+    return data
+
+
+def _verify_tensor(file_path: str, key: str, raw: np.ndarray, expected: list[str]) -> None:
+    for index, start in enumerate(range(0, raw.size, CHUNK_BYTES)):
+        actual = format_checksum(checksum_bytes(raw[start : start + CHUNK_BYTES]))
+        if actual != expected[index]:
+            raise CheckpointCorruptError(
+                f"{file_path}: tensor {key!r} is corrupt: chunk {index} (bytes {start}..{min(start + CHUNK_BYTES, raw.size)} "
+                f"of the tensor) has checksum {actual}, the manifest recorded {expected[index]}")

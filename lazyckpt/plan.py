@@ -1,0 +1,95 @@
+"""Pure planning: tensor entries -> file layout -> pieces of at most one chunk, each cut into checksum segments.
+
+Nothing here touches bytes. A *segment* is exactly one checksum chunk of one tensor (counted from the tensor's
+first byte), so checksums never straddle pieces; a *piece* is a run of consecutive segments, at most
+``CHUNK_BYTES`` long, that fills one host staging slot (or, for eager tensors, is written straight from their
+private copy). Pieces never mix lazy and eager tensors, because only lazy pieces gate the barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazyckpt.checksum import CHUNK_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of one rank's file: where its bytes go and how they are captured."""
+
+    key: str
+    dtype: str
+    """The safetensors dtype string (``F32``, ``BF16``, ``BOOL``...)."""
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int = 0
+    """Byte offset of the tensor inside the file's data section."""
+    lazy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One checksum chunk: ``nbytes`` bytes of tensor ``tensor_index`` from ``src_offset``."""
+
+    tensor_index: int
+    chunk_index: int
+    src_offset: int
+    nbytes: int
+    dst_offset: int
+    """Where the segment lands inside its piece."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A contiguous range of the data section staged and written as one unit."""
+
+    index: int
+    data_offset: int
+    nbytes: int
+    lazy: bool
+    segments: tuple[Segment, ...]
+
+
+def layout(entries: list[TensorEntry]) -> tuple[list[TensorEntry], int]:
+    """Place lazy tensors first, then eager ones, back to back (safetensors forbids holes).
+
+    Returns the placed entries, in file order, and the data section's length.
+    """
+    ordered = [e for e in entries if e.lazy] + [e for e in entries if not e.lazy]
+    placed, offset = [], 0
+    for entry in ordered:
+        placed.append(TensorEntry(entry.key, entry.dtype, entry.shape, entry.nbytes, offset, entry.lazy))
+        offset += entry.nbytes
+    return placed, offset
+
+
+def plan_pieces(entries: list[TensorEntry], chunk_bytes: int = CHUNK_BYTES) -> list[Piece]:
+    """Cut the placed entries into pieces of at most ``chunk_bytes`` bytes made of whole segments."""
+    pieces: list[Piece] = []
+    segments: list[Segment] = []
+    filled = 0
+
+    def flush() -> None:
+        nonlocal segments, filled
+        if segments:
+            first = segments[0]
+            start = entries[first.tensor_index].offset + first.src_offset
+            lazy = entries[first.tensor_index].lazy
+            pieces.append(Piece(len(pieces), start, filled, lazy, tuple(segments)))
+        segments, filled = [], 0
+
+    for index, entry in enumerate(entries):
+        for chunk, src in enumerate(range(0, entry.nbytes, chunk_bytes)):
+            size = min(chunk_bytes, entry.nbytes - src)
+            lazy_changes = segments and entries[segments[0].tensor_index].lazy != entry.lazy
+            if filled + size > chunk_bytes or lazy_changes:
+                flush()
+            segments.append(Segment(index, chunk, src, size, filled))
+            filled += size
+    flush()
+    return pieces
+
+
+def lazy_bytes(entries: list[TensorEntry]) -> int:
+    """Bytes that go through the host staging pool (the eager ones already have a private copy)."""
+    return sum(e.nbytes for e in entries if e.lazy)

@@ -1,0 +1,60 @@
+"""A bounded pool of host staging slots, allocated once and reused across checkpoints."""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from lazyckpt.checksum import CHUNK_BYTES
+
+
+class HostBufferPool:
+    """``num_slots`` slots of ``slot_bytes`` bytes each in one allocation (pinned when asked).
+
+    The copier acquires a slot per piece and the writer releases it after the bytes are written, so host
+    memory stays at the budget however large the checkpoint is.
+    """
+
+    def __init__(self, num_slots: int, *, slot_bytes: int = CHUNK_BYTES, pin: bool = False) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots!r} must be at least 1")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.pinned = pin
+        self._memory = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Touch every page now (on the copier thread) so page faults never land inside a training step.
+        self._memory.zero_()
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(num_slots):
+            self._free.put(index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def acquire(self, block: bool = True) -> int | None:
+        """A free slot's index; blocks until the writer frees one, or returns None when ``block`` is False."""
+        try:
+            return self._free.get(block=block)
+        except queue.Empty:
+            return None
+
+    def release(self, index: int) -> None:
+        self._free.put(index)
+
+    def slot(self, index: int) -> torch.Tensor:
+        start = index * self.slot_bytes
+        return self._memory[start : start + self.slot_bytes]
+
+    def idle(self) -> bool:
+        """True when every slot is free (nothing staged is waiting for the writer)."""
+        return self._free.qsize() == self.num_slots
+
+
+def slots_for(budget_bytes: int | None, lazy_bytes: int, slot_bytes: int = CHUNK_BYTES) -> int:
+    """How many slots a pool needs: one checkpoint's lazy bytes, capped by the budget, at least one."""
+    wanted = -(-lazy_bytes // slot_bytes)
+    if budget_bytes is not None:
+        wanted = min(wanted, budget_bytes // slot_bytes)
+    return max(1, wanted)

@@ -1,0 +1,178 @@
+"""Flatten a nested training state into a JSON-safe tree plus a list of tensors, and back.
+
+Every container is tagged, so decoding gives back exactly the structure that was saved: a tuple stays a
+tuple, int dict keys stay ints, ``nan``/``inf`` survive. Common non-JSON values get typed encodings; decoding
+only ever builds plain data (it never imports a module or calls a constructor named by the file), so a dataclass
+comes back as a dict and an Enum member as its value. Anything else is refused at ``save()`` with its key path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import enum
+import math
+import pathlib
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+import torch
+
+from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
+
+MAX_INLINE_TENSOR_BYTES = 16 << 20
+"""Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""
+
+
+class Deferred:
+    """A leaf of ``state`` whose value is ``fn()`` evaluated at the next barrier, not at ``save()``.
+
+    Use it for state that legitimately changes between ``optimizer.step()`` and the next update, such as an LR
+    scheduler stepped after the checkpoint request or the optimizer's ``param_groups``. Tensors in the result
+    are stored inline in the manifest (at most 16 MiB each).
+
+    Example:
+        >>> ckpt.save({"model": model.state_dict(), "sched": Deferred(scheduler.state_dict)}, step=10)  # doctest: +SKIP
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"Deferred(fn) needs a callable; got {type(fn).__name__}")
+        self.fn = fn
+
+
+Path = tuple["str | int", ...]
+
+
+def path_str(path: Path) -> str:
+    """A readable key path for messages, e.g. ``state['optimizer']['state'][0]``."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def tensor_key(path: Path) -> str:
+    """The tensor's name in the safetensors file: escaped components joined by ``/``; never collides."""
+    if not path:
+        return "%24"
+    return "/".join(f"[{p}]" if isinstance(p, int) else quote(p, safe="") for p in path)
+
+
+class _Flattener:
+    def __init__(self, inline_tensors: bool) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.deferred: list[tuple[Path, Deferred]] = []
+        self.inline_tensors = inline_tensors
+
+    def encode(self, value: Any, path: Path) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int) and not isinstance(value, enum.Enum):
+            return int(value)
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"$float": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, dict):
+            return {"$dict": [[self._key(k, path), self.encode(v, (*path, k))] for k, v in value.items()]}
+        if isinstance(value, list):
+            return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return {"$tuple": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, Deferred):
+            if self.inline_tensors:
+                raise UnsupportedValueError(f"{path_str(path)}: a Deferred must not return another Deferred")
+            self.deferred.append((path, value))
+            return {"$deferred": len(self.deferred) - 1}
+        return self._typed(value, path)
+
+    def _key(self, key: Any, path: Path) -> Any:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise UnsupportedValueError(
+                f"{path_str(path)} has a key {key!r} of type {type(key).__name__}; only str and int keys are "
+                "stored (convert the key, e.g. str(key))"
+            )
+        return key
+
+    def _tensor(self, tensor: torch.Tensor, path: Path) -> Any:
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise UnsupportedValueError(f"{path_str(path)} is a {tensor.layout} tensor; call .to_dense() first")
+        if self.inline_tensors:
+            return {"$inline": encode_inline_tensor(tensor, path)}
+        key = tensor_key(path)
+        self.tensors.append((key, tensor))
+        return {"$tensor": key}
+
+    def _typed(self, value: Any, path: Path) -> Any:
+        if isinstance(value, enum.Enum):
+            return {"$enum": {"class": type(value).__qualname__, "value": self.encode(value.value, path)}}
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in "biuf":
+                raise UnsupportedValueError(f"{path_str(path)} is a numpy array of dtype {value.dtype}; only "
+                                            "bool, int, uint and float arrays are stored")
+            encoded = self._tensor(torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="))), path)
+            return {"$ndarray": encoded}
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            return {"$np_scalar": {"dtype": value.dtype.str, "value": self.encode(value.item(), path)}}
+        if isinstance(value, torch.dtype):
+            return {"$torch_dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"$torch_device": str(value)}
+        if isinstance(value, pathlib.PurePath):
+            return {"$path": str(value)}
+        if isinstance(value, argparse.Namespace):
+            return {"$namespace": self.encode(vars(value), path)}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            return {"$dataclass": {"class": type(value).__qualname__, "fields": self.encode(fields, path)}}
+        if isinstance(value, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+        if isinstance(value, (set, frozenset)):
+            return {"$set": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, complex):
+            return {"$complex": [self.encode(value.real, path), self.encode(value.imag, path)]}
+        if isinstance(value, tuple):  # namedtuple: stored as a plain tuple
+            return {"$tuple": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        raise UnsupportedValueError(
+            f"{path_str(path)} is a {type(value).__module__}.{type(value).__qualname__}, which lazyckpt cannot "
+            "store without pickle; convert it to tensors, numbers, strings, lists or dicts (e.g. its state_dict())"
+        )
+
+
+def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple[Path, Deferred]]]:
+    """Split ``state`` into (JSON tree, [(key, tensor)], [(path, Deferred)])."""
+    flattener = _Flattener(inline_tensors=False)
+    tree = flattener.encode(state, ())
+    return tree, flattener.tensors, flattener.deferred
+
+
+def encode_resolved(value: Any, path: Path) -> Any:
+    """Encode a Deferred's result; its tensors are stored inline."""
+    return _Flattener(inline_tensors=True).encode(value, path)
+
+
+def fill_deferred(tree: Any, resolved: list[Any]) -> Any:
+    """Replace ``{"$deferred": i}`` placeholders by ``resolved[i]`` (already encoded)."""
+    if isinstance(tree, list):
+        return [fill_deferred(v, resolved) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"$deferred"}:
+            return resolved[tree["$deferred"]]
+        return {k: fill_deferred(v, resolved) for k, v in tree.items()}
+    return tree
+
+
+def encode_inline_tensor(tensor: torch.Tensor, path: Path) -> dict[str, Any]:
+    from lazyckpt.format import dtype_name
+
+    data = tensor.detach().to("cpu").contiguous()
+    nbytes = data.numel() * data.element_size()
+    if nbytes > MAX_INLINE_TENSOR_BYTES:
+        raise UnsupportedValueError(f"{path_str(path)}: a Deferred produced a tensor of {nbytes} bytes; at most "
+                                    f"{MAX_INLINE_TENSOR_BYTES} are stored inline — put it in the state directly")
+    raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
+    return {"dtype": dtype_name(data.dtype, path), "shape": list(data.shape),
+            "data": base64.b64encode(raw).decode("ascii")}

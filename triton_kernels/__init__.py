@@ -1,0 +1,1 @@
+"""Triton chunked copy kernels with fused checksums."""
