@@ -19,7 +19,7 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, Chec
                              DirectoryLockedError, SnapshotConsistencyError, StepAlreadyCommittedError,
                              UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
-from lazyckpt.load import checkpoint_step, latest, load, verify
+from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.rng import capture_rng_state, restore_rng_state
 from lazyckpt.state import Deferred
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -78,11 +79,14 @@ class LazyCheckpointer:
     Args:
         dirpath: directory that holds one ``step-NNNNNNN/`` directory per committed checkpoint.
         storage: file-system seam (default :class:`~lazyckpt.storage.LocalStorage`).
+        backend: a ready :class:`~lazyckpt.staging.CopyBackend` instance, overriding ``copy_backend`` (for
+            custom copy paths and tests).
         **options: the fields of :class:`~lazyckpt.config.CheckpointConfig` (``keep_last_k``,
             ``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``rank``, ``world_size``, ...).
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None, **options: Any) -> None:
+    def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
+                 backend: CopyBackend | None = None, **options: Any) -> None:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
         self.config = CheckpointConfig(**options)
         self.dirpath = normalize_dirpath(dirpath)
@@ -91,7 +95,7 @@ class LazyCheckpointer:
         self._lock = DirectoryLock(self.dirpath, self.config.rank)
         if self.config.rank == 0:
             remove_partials(self.dirpath, self.storage)
-        self._backend: CopyBackend | None = None
+        self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
         self.stats: list[CheckpointStats] = []
@@ -183,8 +187,9 @@ class LazyCheckpointer:
             raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) is closed; cannot {what}()")
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
-        if self._backend is None:
-            self._backend = make_backend(self.config.copy_backend, tensors)
+        if self._copier is None:
+            if self._backend is None:
+                self._backend = make_backend(self.config.copy_backend, tensors)
             self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
                                   storage=self.storage, finalize=self._finalize)
         return self._backend
@@ -203,7 +208,7 @@ class LazyCheckpointer:
         job.pass_barrier()
         job.stats.wait_s += time.monotonic() - started
         if job.ready_to_commit():
-            SharedWriter.get().submit(CallTask(job, lambda: self._commit(job), always=True))
+            SharedWriter.get().submit(CallTask(job, lambda: self._commit_off_writer(job), always=True))
 
     def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
         self._barrier(job)
@@ -230,7 +235,14 @@ class LazyCheckpointer:
             return
         job.written.set()
         if job.ready_to_commit():
+            self._commit_off_writer(job)
+
+    def _commit_off_writer(self, job: CheckpointJob) -> None:
+        # With several ranks the commit waits for the others; never block the process-wide writer on that.
+        if job.world_size == 1:
             self._commit(job)
+        else:
+            threading.Thread(target=self._commit, args=(job,), name="lazyckpt-commit", daemon=True).start()
 
     def _commit(self, job: CheckpointJob) -> None:
         try:

@@ -55,12 +55,23 @@ def layout(entries: list[TensorEntry]) -> tuple[list[TensorEntry], int]:
 
     Returns the placed entries, in file order, and the data section's length.
     """
-    ordered = [e for e in entries if e.lazy] + [e for e in entries if not e.lazy]
+    # Within each group, wider dtypes first keeps most tensors aligned to their element size.
+    def group(lazy: bool) -> list[TensorEntry]:
+        return sorted((e for e in entries if e.lazy == lazy), key=lambda e: -_alignment(e))
+
+    ordered = group(True) + group(False)
     placed, offset = [], 0
     for entry in ordered:
         placed.append(TensorEntry(entry.key, entry.dtype, entry.shape, entry.nbytes, offset, entry.lazy))
         offset += entry.nbytes
     return placed, offset
+
+
+def _alignment(entry: TensorEntry) -> int:
+    numel = 1
+    for size in entry.shape:
+        numel *= size
+    return entry.nbytes // numel if numel else 0
 
 
 def plan_pieces(entries: list[TensorEntry], chunk_bytes: int = CHUNK_BYTES) -> list[Piece]:

@@ -100,9 +100,16 @@ def _load_rank(path: str, manifest_name: str, *, verify: bool) -> tuple[dict[str
         raw = data[start:end]
         if verify:
             _verify_tensor(file_path, key, raw.numpy(), info["checksums"])
-        dtype = torch_dtype(info["dtype"])
-        tensors[key] = raw.view(dtype).reshape(info["shape"]) if end > start else torch.empty(info["shape"], dtype=dtype)
+        tensors[key] = _as_tensor(raw, torch_dtype(info["dtype"]), info["shape"])
     return doc, tensors
+
+
+def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    if raw.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+        raw = raw.clone()  # safetensors packs tensors back to back; a misaligned one needs its own buffer
+    return raw.view(dtype).reshape(shape)
 
 
 def _match_manifest(where: str, file_path: str, tensors: dict[str, Any], header: dict[str, Any]) -> None:

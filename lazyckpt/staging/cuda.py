@@ -1,0 +1,243 @@
+"""The ``cuda`` copy backend: ``copy_(non_blocking=True)`` on a dedicated stream into pinned slots.
+
+Ordering (design brief, "Stream ordering"): :meth:`CudaCopyBackend.on_request` records an event on the
+training thread's current stream inside ``save()``, right after ``optimizer.step()`` was queued; the copier's
+dedicated stream waits on that event before reading any source, so the copies see the post-step values
+however far the host runs ahead. Each batch ends with a done event that the copier thread synchronizes on
+before returning, so the bytes are in host memory and the sources (referenced by the caller for the whole
+call) are no longer read when :meth:`copy_pieces` returns.
+
+Checksums: when triton is installed (and not in interpreter mode), one launch of the checksum-only Triton
+kernel on the same stream checksums the *sources* on the device (~0.2-0.3 ms/GB of HBM reads instead of a
+CPU pass over the staged bytes; the value is end to end, since a corrupted transfer then fails verification
+at load). Otherwise the staged bytes are checksummed on the CPU with :func:`lazyckpt.checksum.checksum_bytes`.
+Both agree bit for bit. CPU-resident sources are copied and checksummed on the host.
+
+Example:
+    >>> ckpt = LazyCheckpointer("runs/ckpt", copy_backend="cuda")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from lazyckpt.checksum import checksum_bytes
+from lazyckpt.plan import Piece, Segment
+from lazyckpt.staging.base import CopyBackend
+from lazyckpt.triton_kernels import (
+    CopySegment,
+    TableCache,
+    checksum_segments,
+    checksums_to_list,
+    interpreter_active,
+    triton_available,
+)
+
+_NO_CUDA = (
+    "copy_backend={name!r} needs a CUDA device, but torch.cuda.is_available() is False; use copy_backend='cpu' "
+    "(or 'auto')"
+)
+
+SegmentRef = tuple[int, Segment]
+"""A segment together with the index of the piece (and slot) it belongs to."""
+
+
+def require_cuda(name: str) -> None:
+    """Raise RuntimeError naming the backend when CUDA is unavailable."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(_NO_CUDA.format(name=name))
+
+
+class StreamOrder:
+    """The per-device copy streams and the request/done events shared by the GPU backends.
+
+    ``record_request`` runs on the training thread; ``copy_stream`` and ``finish`` run on the copier thread.
+    A fresh event per request means a late copy can never wait on a *newer* request by mistake.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._requests: dict[torch.device, torch.cuda.Event] = {}
+        self._done: list[torch.cuda.Event] = []
+        self._lock = threading.Lock()
+
+    def record_request(self, sources: Sequence[torch.Tensor | None]) -> None:
+        """Record an event on the current stream of every device holding a source."""
+        devices = {t.device for t in sources if t is not None and t.is_cuda}
+        events = {}
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events[device] = event
+        with self._lock:
+            self._requests = events
+
+    def _request_event(self, device: torch.device) -> torch.cuda.Event:
+        with self._lock:
+            event = self._requests.get(device)
+        if event is None:
+            # No on_request for this device (a caller outside the engine): order after its current stream.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        return event
+
+    @contextmanager
+    def copy_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
+        """Make ``device``'s copy stream current, ordered after the request event; record a done event."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        stream.wait_event(self._request_event(device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield stream
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._done.append(done)
+
+    def finish(self) -> None:
+        """Block the calling (copier) thread until every copy stream used since the last call is done."""
+        done, self._done = self._done, []
+        for event in done:
+            event.synchronize()
+
+
+def segment_refs(pieces: Sequence[Piece]) -> list[SegmentRef]:
+    """Every segment of ``pieces`` in order, tagged with its piece index (= its slot's index)."""
+    return [(i, seg) for i, piece in enumerate(pieces) for seg in piece.segments]
+
+
+def split_by_piece(pieces: Sequence[Piece], flat: Sequence[int]) -> list[list[int]]:
+    """Cut a flat list of per-segment values back into one list per piece."""
+    out, start = [], 0
+    for piece in pieces:
+        out.append(list(flat[start : start + len(piece.segments)]))
+        start += len(piece.segments)
+    return out
+
+
+def slot_range(slot: torch.Tensor, seg: Segment) -> torch.Tensor:
+    return slot[seg.dst_offset : seg.dst_offset + seg.nbytes]
+
+
+def source_range(source: torch.Tensor, seg: Segment) -> torch.Tensor:
+    return source[seg.src_offset : seg.src_offset + seg.nbytes]
+
+
+def copy_on_host(
+    sources: Sequence[torch.Tensor], slots: Sequence[torch.Tensor], refs: Sequence[SegmentRef]
+) -> list[int]:
+    """Copy CPU-resident segments with ``copy_`` and checksum the staged bytes on the CPU."""
+    sums = []
+    for piece, seg in refs:
+        dst = slot_range(slots[piece], seg)
+        dst.copy_(source_range(sources[seg.tensor_index], seg))
+        sums.append(checksum_bytes(dst.numpy()))
+    return sums
+
+
+def checksum_staged(slots: Sequence[torch.Tensor], refs: Sequence[SegmentRef]) -> list[int]:
+    """CPU checksums of segments already staged in ``slots``."""
+    return [checksum_bytes(slot_range(slots[piece], seg).numpy()) for piece, seg in refs]
+
+
+def remap_sources(
+    sources: Sequence[torch.Tensor | None], refs: Sequence[SegmentRef]
+) -> tuple[list[torch.Tensor], list[CopySegment]]:
+    """The sources ``refs`` use (in first-use order) and their segments as launcher ``CopySegment``s.
+
+    Launch cost and the table-cache key then scale with this call's segments, not with every tensor of the
+    checkpoint (the engine passes ``None`` for eager entries). A segment's destination is its piece's slot.
+    """
+    index: dict[int, int] = {}
+    used: list[torch.Tensor] = []
+    segments = []
+    for piece, seg in refs:
+        if seg.tensor_index not in index:
+            index[seg.tensor_index] = len(used)
+            used.append(sources[seg.tensor_index])
+        segments.append(CopySegment(index[seg.tensor_index], seg.src_offset, seg.nbytes, piece, seg.dst_offset))
+    return used, segments
+
+
+def fill(sums: list[int], positions: Sequence[int], values: Sequence[int]) -> None:
+    for position, value in zip(positions, values, strict=True):
+        sums[position] = value
+
+
+class CudaCopyBackend(CopyBackend):
+    """Copy-engine transfers on a dedicated stream; checksums on the device when triton is available.
+
+    Args:
+        device_checksum: Checksum the sources with the Triton checksum-only kernel on the copy stream (None:
+            when triton is installed and not interpreting), instead of the staged bytes on the CPU.
+
+    Raises:
+        RuntimeError: CUDA is not available (the message names the backend and the alternative).
+    """
+
+    name = "cuda"
+
+    def __init__(self, *, device_checksum: bool | None = None) -> None:
+        require_cuda(self.name)
+        self._order = StreamOrder()
+        if device_checksum is None:
+            device_checksum = triton_available() and not interpreter_active()
+        self.device_checksum = device_checksum
+        self._tables = TableCache(max_entries=1024)
+
+    def on_request(self, sources: Sequence[torch.Tensor]) -> None:
+        self._order.record_request(sources)
+
+    def prepare_source(self, tensor: torch.Tensor) -> torch.Tensor:
+        # .contiguous() reads the live tensor: on the copy stream, after the request event, never before it.
+        if tensor.is_cuda and not tensor.is_contiguous():
+            with self._order.copy_stream(tensor.device):
+                return super().prepare_source(tensor)
+        return super().prepare_source(tensor)
+
+    def pin_memory(self) -> bool:
+        return torch.cuda.is_available()
+
+    def copy_pieces(
+        self, sources: Sequence[torch.Tensor], pieces: Sequence[Piece], slots: Sequence[torch.Tensor]
+    ) -> list[list[int]]:
+        refs = segment_refs(pieces)
+        sums = [0] * len(refs)
+        on_host: list[int] = []
+        launched = []
+        for device, positions in positions_by_device(sources, refs).items():
+            if device is None:
+                on_host = positions
+                continue
+            with self._order.copy_stream(device):
+                for position in positions:
+                    piece, seg = refs[position]
+                    dst = slot_range(slots[piece], seg)
+                    dst.copy_(source_range(sources[seg.tensor_index], seg), non_blocking=True)
+                if self.device_checksum:
+                    used, segments = remap_sources(sources, [refs[p] for p in positions])
+                    launched.append((positions, checksum_segments(used, segments, cache=self._tables)))
+        fill(sums, on_host, copy_on_host(sources, slots, [refs[p] for p in on_host]))
+        self._order.finish()
+        for positions, result in launched:
+            fill(sums, positions, checksums_to_list(result))
+        if not self.device_checksum:
+            host = set(on_host)
+            on_gpu = [p for p in range(len(refs)) if p not in host]
+            fill(sums, on_gpu, checksum_staged(slots, [refs[p] for p in on_gpu]))
+        return split_by_piece(pieces, sums)
+
+
+def positions_by_device(
+    sources: Sequence[torch.Tensor], refs: Sequence[SegmentRef]
+) -> dict[torch.device | None, list[int]]:
+    """Segment positions grouped by their source's CUDA device (``None``: the source is on the CPU)."""
+    groups: dict[torch.device | None, list[int]] = {}
+    for position, (_, seg) in enumerate(refs):
+        source = sources[seg.tensor_index]
+        groups.setdefault(source.device if source.is_cuda else None, []).append(position)
+    return groups

@@ -1,0 +1,36 @@
+"""The format's checksum: pinned values, and the changes it must catch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, chunk_checksums
+
+
+def test_checksum_values_are_pinned_for_the_format_s_life():
+    data = np.arange(20, dtype=np.uint8)  # 20 bytes: two words plus a zero-padded tail
+    assert checksum_bytes(data) == 0x2B067BE1214F76A5
+    assert checksum_bytes(np.empty(0, np.uint8)) == 0
+
+
+def test_a_flipped_bit_and_two_swapped_words_change_the_checksum():
+    words = np.random.default_rng(0).integers(0, 2**63, 1000, dtype=np.uint64)
+    base = checksum_bytes(words.view(np.uint8))
+    flipped = words.copy().view(np.uint8)
+    flipped[4321] ^= 0x10
+    assert checksum_bytes(flipped) != base
+    swapped = words.copy()
+    swapped[[10, 500]] = swapped[[500, 10]]
+    assert checksum_bytes(swapped.view(np.uint8)) != base
+
+
+def test_zero_padding_is_not_the_same_as_stored_zeros():
+    assert checksum_bytes(np.zeros(5, np.uint8)) != checksum_bytes(np.zeros(8, np.uint8))
+
+
+def test_chunks_are_counted_from_each_tensor_s_first_byte():
+    t = torch.arange(CHUNK_BYTES // 4 + 3, dtype=torch.float32)
+    sums = chunk_checksums(t)
+    raw = t.numpy().view(np.uint8)
+    assert sums == [checksum_bytes(raw[:CHUNK_BYTES]), checksum_bytes(raw[CHUNK_BYTES:])]
