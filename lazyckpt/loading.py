@@ -11,10 +11,9 @@ import json
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, format_checksum
+from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, format_checksum, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format import (MANIFEST, PARTIAL_SUFFIX, check_member_name, check_rank_manifest,
                              check_top_manifest, read_header, torch_dtype)
@@ -93,23 +92,14 @@ def _load_rank(path: str, manifest_name: str, *, verify: bool) -> tuple[dict[str
         raise CheckpointFormatError(f"{where} names tensor file {doc['file']!r}, which is missing")
     header, data_start = read_header(file_path)
     _match_manifest(where, file_path, doc["tensors"], header)
-    data = _read_data(file_path, data_start)
     tensors = {}
-    for key, info in doc["tensors"].items():
-        start, end = info["offsets"]
-        raw = data[start:end]
-        if verify:
-            _verify_tensor(file_path, key, raw.numpy(), info["checksums"])
-        tensors[key] = _as_tensor(raw, torch_dtype(info["dtype"]), info["shape"])
+    with open(file_path, "rb") as f:
+        for key, info in doc["tensors"].items():
+            tensor = _read_tensor(f, file_path, key, info, data_start)
+            if verify:
+                _verify_tensor(file_path, key, tensor, info["checksums"])
+            tensors[key] = tensor
     return doc, tensors
-
-
-def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    if raw.numel() == 0:
-        return torch.empty(shape, dtype=dtype)
-    if raw.storage_offset() % torch.empty(0, dtype=dtype).element_size():
-        raw = raw.clone()  # safetensors packs tensors back to back; a misaligned one needs its own buffer
-    return raw.view(dtype).reshape(shape)
 
 
 def _match_manifest(where: str, file_path: str, tensors: dict[str, Any], header: dict[str, Any]) -> None:
@@ -125,20 +115,20 @@ def _match_manifest(where: str, file_path: str, tensors: dict[str, Any], header:
                                         f"{h['dtype']}{h['shape']}@{h['data_offsets']}")
 
 
-def _read_data(file_path: str, data_start: int) -> torch.Tensor:
-    size = os.path.getsize(file_path) - data_start
-    data = torch.empty(size, dtype=torch.uint8)
-    if size:
-        view = memoryview(data.numpy())
-        with open(file_path, "rb") as f:
-            f.seek(data_start)
-            got = f.readinto(view)
-        if got != size:
-            raise CheckpointCorruptError(f"{file_path}: file is truncated ({got} of {size} data bytes)")
-    return data
+def _read_tensor(f: Any, file_path: str, key: str, info: dict[str, Any], data_start: int) -> torch.Tensor:
+    """Read one tensor into its own buffer (aligned, independently freeable; torch APIs dislike shared views)."""
+    tensor = torch.empty(info["shape"], dtype=torch_dtype(info["dtype"]))
+    start, end = info["offsets"]
+    if end > start:
+        f.seek(data_start + start)
+        got = f.readinto(memoryview(tensor_bytes(tensor)))
+        if got != end - start:
+            raise CheckpointCorruptError(f"{file_path}: file is truncated inside tensor {key!r}")
+    return tensor
 
 
-def _verify_tensor(file_path: str, key: str, raw: np.ndarray, expected: list[str]) -> None:
+def _verify_tensor(file_path: str, key: str, tensor: torch.Tensor, expected: list[str]) -> None:
+    raw = tensor_bytes(tensor)
     for index, start in enumerate(range(0, raw.size, CHUNK_BYTES)):
         actual = format_checksum(checksum_bytes(raw[start : start + CHUNK_BYTES]))
         if actual != expected[index]:

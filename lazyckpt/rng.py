@@ -38,7 +38,7 @@ def restore_rng_state(state: dict[str, Any], generators: dict[str, torch.Generat
     """Restore what :func:`capture_rng_state` captured (CUDA states only where CUDA is present)."""
     random.setstate(_as_python_state(state["python"]))
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"].cpu())
+    torch.set_rng_state(state["torch"].cpu().clone())  # a view of a larger buffer crashes torch
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     for name, gen in (generators or {}).items():
