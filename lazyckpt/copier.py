@@ -8,6 +8,7 @@ the writer, queued last, whether the job succeeded or not.
 from __future__ import annotations
 
 import queue
+from functools import partial
 import threading
 import time
 from collections.abc import Callable
@@ -98,22 +99,32 @@ class Copier:
                 for slot in slots:
                     pool.release(slot)
                 raise
-            for piece, slot, piece_sums in zip(batch, slots, sums):
-                _record_checksums(job, piece, piece_sums)
-                buffer = memoryview(pool.slot(slot)[: piece.nbytes].numpy())
-                writer.submit(WriteTask(job, self.storage, job.handle, _file_offset(job, piece), [buffer],
-                                        release=lambda slot=slot: pool.release(slot)))
+            for i, (piece, slot) in enumerate(zip(batch, slots)):
+                staged = pool.slot(slot)[: piece.nbytes].numpy()
+                if sums is not None:
+                    _record_checksums(job, piece, sums[i])
+                writer.submit(WriteTask(
+                    job, self.storage, job.handle, _file_offset(job, piece), [memoryview(staged)],
+                    release=lambda slot=slot: pool.release(slot),
+                    prepare=None if sums is not None else partial(_checksum_staged, job, piece, staged)))
             done += len(batch)
 
 
+def _checksum_staged(job: CheckpointJob, piece: Piece, staged) -> None:
+    """Checksums of a staged piece, computed by the writer right before it writes the piece."""
+    _record_checksums(job, piece, [checksum_bytes(staged[s.dst_offset : s.dst_offset + s.nbytes])
+                                   for s in piece.segments])
+
+
 def _write_eager_piece(job: CheckpointJob, piece: Piece, writer: SharedWriter, storage: Storage) -> None:
-    buffers, sums = [], []
-    for seg in piece.segments:
-        data = tensor_bytes(job.sources[seg.tensor_index])[seg.src_offset : seg.src_offset + seg.nbytes]
-        sums.append(checksum_bytes(data))
-        buffers.append(memoryview(data))
-    _record_checksums(job, piece, sums)
-    writer.submit(WriteTask(job, storage, job.handle, _file_offset(job, piece), buffers))
+    datas = [tensor_bytes(job.sources[seg.tensor_index])[seg.src_offset : seg.src_offset + seg.nbytes]
+             for seg in piece.segments]
+
+    def checksum() -> None:
+        _record_checksums(job, piece, [checksum_bytes(d) for d in datas])
+
+    writer.submit(WriteTask(job, storage, job.handle, _file_offset(job, piece), [memoryview(d) for d in datas],
+                            prepare=checksum))
 
 
 def _file_offset(job: CheckpointJob, piece: Piece) -> int:

@@ -57,7 +57,7 @@ class CheckpointJob:
     requested_at: float = field(default_factory=time.monotonic)
     checksums: dict[str, list[str]] = field(default_factory=dict)
     error: BaseException | None = None
-    handle: int | None = None
+    handle: Any = None
     staged: threading.Event = field(default_factory=threading.Event)
     written: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)

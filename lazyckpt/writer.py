@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from lazyckpt.storage import Buffer, Storage
 
@@ -33,10 +33,12 @@ class WriteTask:
 
     job: JobLike
     storage: Storage
-    handle: int
+    handle: Any
     offset: int
     buffers: Sequence[Buffer]
     release: Callable[[], None] = lambda: None
+    prepare: Callable[[], None] | None = None
+    """Runs on the writer thread before the write (checksums of staged bytes, off the barrier's path)."""
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +94,9 @@ def _run_writes(batch: list[WriteTask]) -> None:
     first = batch[0]
     try:
         if not first.job.failed:
+            for t in batch:
+                if t.prepare is not None:
+                    t.prepare()
             first.storage.write(first.handle, first.offset, [b for t in batch for b in t.buffers])
     except BaseException as e:  # noqa: BLE001 - every failure belongs to the job, the writer lives on
         first.job.fail(e)

@@ -38,6 +38,7 @@ class FailingStorage(LocalStorage):
     """Local files, except that writes fail with ENOSPC while ``fail`` is set."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.fail = False
         self.error: OSError | None = None
 

@@ -7,8 +7,8 @@ The engine's copier thread calls one backend for the whole life of a checkpointe
 * :meth:`CopyBackend.copy_eager` runs on the training thread inside ``save()`` for tensors outside the
   immutability window and returns a private, contiguous CPU copy.
 * :meth:`CopyBackend.copy_pieces` runs on the copier thread; it copies each piece's segments from the flat
-  ``uint8`` sources into its destination slot and returns every segment's checksum (``lazyckpt.checksum``).
-  It returns only when the bytes are in host memory.
+  ``uint8`` sources into its destination slot and returns every segment's checksum (``lazyckpt.checksum``)
+  when it computed them in the same pass, else ``None``. It returns only when the bytes are in host memory.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ class CopyBackend(ABC):
     @abstractmethod
     def copy_pieces(
         self, sources: Sequence[torch.Tensor], pieces: Sequence[Piece], slots: Sequence[torch.Tensor]
-    ) -> list[list[int]]:
-        """Copy ``pieces[i]`` into ``slots[i]`` (CPU ``uint8``) and return each piece's segment checksums."""
+    ) -> list[list[int]] | None:
+        """Copy ``pieces[i]`` into ``slots[i]`` (CPU ``uint8``); return when the bytes are in host memory.
+
+        Returns each piece's segment checksums when the backend computed them in the same pass (a fused
+        kernel), or ``None``: then the writer checksums the staged bytes, off the barrier's critical path.
+        """
 
     def pin_memory(self) -> bool:
         """Whether the host pool should be pinned (page-locked) for this backend."""
