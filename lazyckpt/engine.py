@@ -99,6 +99,7 @@ class LazyCheckpointer:
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
         self.stats: list[CheckpointStats] = []
+        self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
 
@@ -163,6 +164,8 @@ class LazyCheckpointer:
         """Finish the in-flight checkpoint, stop the copier and release the directory. Idempotent."""
         if getattr(self, "_closed", True):
             return
+        if self._pid != os.getpid():
+            return  # a forked child (e.g. a DataLoader worker) owns none of the parent's threads or files
         try:
             if self._job is not None:
                 self._drain(self._job, deliver=False)

@@ -124,3 +124,17 @@ def test_bad_step_values_are_refused(tmp_path):
         for bad in (-1, 1.5, True, "3"):
             with pytest.raises(ValueError, match="step="):
                 ckpt.save({}, step=bad)
+
+
+def test_a_forked_child_never_drains_the_parent_s_checkpointer(tmp_path, trained):
+    import multiprocessing
+
+    model, opt = trained
+    backend = GatedBackend()
+    with lazyckpt.LazyCheckpointer(tmp_path, backend=backend) as ckpt:
+        ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])  # in flight and held at the gate
+        child = multiprocessing.get_context("fork").Process(target=ckpt.close)
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0, "close() in a forked child must return at once, not wait for the parent"
+        backend.gate.set()
