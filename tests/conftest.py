@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU tensors; it must be chosen before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lazyckpt.staging.cpu import CpuCopyBackend
 from lazyckpt.storage import LocalStorage

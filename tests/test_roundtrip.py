@@ -114,3 +114,16 @@ def test_tensor_part_is_a_valid_safetensors_file_readable_by_dcp(tmp_path, train
         assert torch.equal(f.get_tensor("model/0.weight"), model[0].weight)
     metadata = HuggingFaceStorageReader(path).read_metadata()
     assert set(metadata.state_dict_metadata) == {f"model/{k}" for k in model.state_dict()}
+
+
+def test_round_trip_through_the_triton_backend(tmp_path, trained):
+    pytest.importorskip("triton")
+    model, opt = trained
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "bf16": torch.randn(33).to(torch.bfloat16)}
+    expected = clone_tree(state)
+    with lazyckpt.LazyCheckpointer(tmp_path, copy_backend="triton") as ckpt:
+        pending = ckpt.save(state, step=1, optimizers=[opt])
+        ckpt.wait_staged()
+        path = pending.wait()
+    assert_tree_equal(lazyckpt.load(path), expected)
+    lazyckpt.verify(path)

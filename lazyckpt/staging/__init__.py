@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -15,8 +16,16 @@ from lazyckpt.staging.pool import HostBufferPool
 def make_backend(name: CopyBackendName, tensors: Sequence[torch.Tensor] = ()) -> CopyBackend:
     """The backend for ``name``; ``auto`` resolves from where the tensors live."""
     if name is CopyBackendName.AUTO:
-        on_gpu = any(t.is_cuda for t in tensors)
-        name = CopyBackendName.CUDA if on_gpu and torch.cuda.is_available() else CopyBackendName.CPU
+        if not (torch.cuda.is_available() and any(t.is_cuda for t in tensors)):
+            return CpuCopyBackend()
+        if importlib.util.find_spec("triton") is None:
+            from lazyckpt.staging.cuda import CudaCopyBackend
+
+            return CudaCopyBackend()
+        # Copy engines for large tensors, one packing Triton launch for the many small ones (docs/triton.md).
+        from lazyckpt.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
+
+        return TritonCopyBackend(ce_min_bytes=AUTO_CE_MIN_BYTES)
     if name is CopyBackendName.CPU:
         return CpuCopyBackend()
     if name is CopyBackendName.CUDA:

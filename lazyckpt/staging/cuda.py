@@ -3,15 +3,17 @@
 Ordering (design brief, "Stream ordering"): :meth:`CudaCopyBackend.on_request` records an event on the
 training thread's current stream inside ``save()``, right after ``optimizer.step()`` was queued; the copier's
 dedicated stream waits on that event before reading any source, so the copies see the post-step values
-however far the host runs ahead. Each batch ends with a done event that the copier thread synchronizes on
-before returning, so the bytes are in host memory and the sources (referenced by the caller for the whole
-call) are no longer read when :meth:`copy_pieces` returns.
+however far the host runs ahead. Each stream a batch used ends with a done event that the copier thread
+synchronizes on before returning, so the bytes are in host memory and the sources (referenced by the caller
+for the whole call) are no longer read when :meth:`copy_pieces` returns.
 
 Checksums: when triton is installed (and not in interpreter mode), one launch of the checksum-only Triton
-kernel on the same stream checksums the *sources* on the device (~0.2-0.3 ms/GB of HBM reads instead of a
-CPU pass over the staged bytes; the value is end to end, since a corrupted transfer then fails verification
-at load). Otherwise the staged bytes are checksummed on the CPU with :func:`lazyckpt.checksum.checksum_bytes`.
-Both agree bit for bit. CPU-resident sources are copied and checksummed on the host.
+kernel on a second copy stream (ordered after the same request event, running beside the copy engines)
+checksums the *sources* on the device: an HBM read on a few SMs instead of a CPU pass over the staged bytes,
+and end to end, since a corrupted transfer then fails verification at load. :meth:`copy_pieces` returns
+them. Otherwise it returns ``None`` and the writer checksums the staged bytes with
+:func:`lazyckpt.checksum.checksum_bytes`, off the barrier's critical path. Both agree bit for bit.
+CPU-resident sources are copied on the host.
 
 Example:
     >>> ckpt = LazyCheckpointer("runs/ckpt", copy_backend="cuda")  # doctest: +SKIP
@@ -56,11 +58,12 @@ class StreamOrder:
     """The per-device copy streams and the request/done events shared by the GPU backends.
 
     ``record_request`` runs on the training thread; ``copy_stream`` and ``finish`` run on the copier thread.
-    A fresh event per request means a late copy can never wait on a *newer* request by mistake.
+    A fresh event per request means a late copy can never wait on a *newer* request by mistake. Each device
+    has a few *lanes* (streams), so a checksum kernel can run beside the copy engines instead of after them.
     """
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._requests: dict[torch.device, torch.cuda.Event] = {}
         self._done: list[torch.cuda.Event] = []
         self._lock = threading.Lock()
@@ -86,11 +89,11 @@ class StreamOrder:
         return event
 
     @contextmanager
-    def copy_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
-        """Make ``device``'s copy stream current, ordered after the request event; record a done event."""
-        stream = self._streams.get(device)
+    def copy_stream(self, device: torch.device, lane: int = 0) -> Iterator[torch.cuda.Stream]:
+        """Make a copy stream of ``device`` current, ordered after the request event; record a done event."""
+        stream = self._streams.get((device, lane))
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[(device, lane)] = torch.cuda.Stream(device)
         stream.wait_event(self._request_event(device))
         with torch.cuda.device(device), torch.cuda.stream(stream):
             yield stream
@@ -128,20 +131,20 @@ def source_range(source: torch.Tensor, seg: Segment) -> torch.Tensor:
 
 
 def copy_on_host(
-    sources: Sequence[torch.Tensor], slots: Sequence[torch.Tensor], refs: Sequence[SegmentRef]
+    sources: Sequence[torch.Tensor],
+    slots: Sequence[torch.Tensor],
+    refs: Sequence[SegmentRef],
+    *,
+    checksum: bool = True,
 ) -> list[int]:
-    """Copy CPU-resident segments with ``copy_`` and checksum the staged bytes on the CPU."""
+    """Copy CPU-resident segments with ``copy_``; their CPU checksums if ``checksum``, else ``[]``."""
     sums = []
     for piece, seg in refs:
         dst = slot_range(slots[piece], seg)
         dst.copy_(source_range(sources[seg.tensor_index], seg))
-        sums.append(checksum_bytes(dst.numpy()))
+        if checksum:
+            sums.append(checksum_bytes(dst.numpy()))
     return sums
-
-
-def checksum_staged(slots: Sequence[torch.Tensor], refs: Sequence[SegmentRef]) -> list[int]:
-    """CPU checksums of segments already staged in ``slots``."""
-    return [checksum_bytes(slot_range(slots[piece], seg).numpy()) for piece, seg in refs]
 
 
 def remap_sources(
@@ -173,7 +176,7 @@ class CudaCopyBackend(CopyBackend):
 
     Args:
         device_checksum: Checksum the sources with the Triton checksum-only kernel on the copy stream (None:
-            when triton is installed and not interpreting), instead of the staged bytes on the CPU.
+            when triton is installed and not interpreting); when False the writer checksums the staged bytes.
 
     Raises:
         RuntimeError: CUDA is not available (the message names the backend and the alternative).
@@ -204,9 +207,9 @@ class CudaCopyBackend(CopyBackend):
 
     def copy_pieces(
         self, sources: Sequence[torch.Tensor], pieces: Sequence[Piece], slots: Sequence[torch.Tensor]
-    ) -> list[list[int]]:
+    ) -> list[list[int]] | None:
+        """Copy on the copy stream; returns device checksums, or None (the writer checksums the staged bytes)."""
         refs = segment_refs(pieces)
-        sums = [0] * len(refs)
         on_host: list[int] = []
         launched = []
         for device, positions in positions_by_device(sources, refs).items():
@@ -218,17 +221,19 @@ class CudaCopyBackend(CopyBackend):
                     piece, seg = refs[position]
                     dst = slot_range(slots[piece], seg)
                     dst.copy_(source_range(sources[seg.tensor_index], seg), non_blocking=True)
-                if self.device_checksum:
+            if self.device_checksum:
+                # A second lane: the checksum reads HBM while the copy engines drain over PCIe.
+                with self._order.copy_stream(device, lane=1):
                     used, segments = remap_sources(sources, [refs[p] for p in positions])
                     launched.append((positions, checksum_segments(used, segments, cache=self._tables)))
-        fill(sums, on_host, copy_on_host(sources, slots, [refs[p] for p in on_host]))
+        host_sums = copy_on_host(sources, slots, [refs[p] for p in on_host], checksum=self.device_checksum)
         self._order.finish()
+        if not self.device_checksum:
+            return None
+        sums = [0] * len(refs)
+        fill(sums, on_host, host_sums)
         for positions, result in launched:
             fill(sums, positions, checksums_to_list(result))
-        if not self.device_checksum:
-            host = set(on_host)
-            on_gpu = [p for p in range(len(refs)) if p not in host]
-            fill(sums, on_gpu, checksum_staged(slots, [refs[p] for p in on_gpu]))
         return split_by_piece(pieces, sums)
 
 

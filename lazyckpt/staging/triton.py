@@ -127,10 +127,9 @@ class TritonCopyBackend(CopyBackend):
             if route == _HOST:
                 fill(sums, positions, copy_on_host(sources, slots, [refs[p] for p in positions]))
             elif device.type == "cpu":  # the interpreter: synchronous, no streams
-                launched.append((positions, self._launch(route, sources, slots, refs, positions)))
+                launched.append((positions, self._launch_kernel(sources, slots, [refs[p] for p in positions])))
             else:
-                with self._order.copy_stream(device):
-                    launched.append((positions, self._launch(route, sources, slots, refs, positions)))
+                launched.append((positions, self._launch(route, sources, slots, refs, positions, device)))
         self._order.finish()
         for positions, result in launched:
             fill(sums, positions, checksums_to_list(result))
@@ -158,12 +157,22 @@ class TritonCopyBackend(CopyBackend):
         slots: Sequence[torch.Tensor],
         refs: Sequence[SegmentRef],
         positions: Sequence[int],
+        device: torch.device,
     ) -> torch.Tensor:
-        """Queue one group's copies on the current stream; returns its (not yet final) checksum tensor."""
+        """Queue one group's copies on the copy streams; returns its (not yet final) checksum tensor."""
         group = [refs[p] for p in positions]
-        used, segments = remap_sources(sources, group)
         if route == _KERNEL:
-            return copy_with_checksums(used, slots, segments, cache=self._tables, **self._launch_options)
-        for piece, seg in group:
-            slot_range(slots[piece], seg).copy_(source_range(sources[seg.tensor_index], seg), non_blocking=True)
-        return checksum_segments(used, segments, cache=self._tables, **self._launch_options)
+            with self._order.copy_stream(device):
+                return self._launch_kernel(sources, slots, group)
+        with self._order.copy_stream(device, lane=1):  # the copy engines, beside any kernel on lane 0
+            for piece, seg in group:
+                slot_range(slots[piece], seg).copy_(source_range(sources[seg.tensor_index], seg), non_blocking=True)
+        with self._order.copy_stream(device, lane=2):  # their checksum reads HBM meanwhile
+            used, segments = remap_sources(sources, group)
+            return checksum_segments(used, segments, cache=self._tables, **self._launch_options)
+
+    def _launch_kernel(
+        self, sources: Sequence[torch.Tensor], slots: Sequence[torch.Tensor], group: Sequence[SegmentRef]
+    ) -> torch.Tensor:
+        used, segments = remap_sources(sources, group)
+        return copy_with_checksums(used, slots, segments, cache=self._tables, **self._launch_options)
