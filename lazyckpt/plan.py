@@ -55,9 +55,10 @@ def layout(entries: list[TensorEntry]) -> tuple[list[TensorEntry], int]:
 
     Returns the placed entries, in file order, and the data section's length.
     """
-    # Within each group, wider dtypes first keeps most tensors aligned to their element size.
+    # Within each group: sizes that are multiples of 16 first (they keep every later one of them 16-byte
+    # aligned, the fast word path of the copy kernels), then wider dtypes first (element alignment).
     def group(lazy: bool) -> list[TensorEntry]:
-        return sorted((e for e in entries if e.lazy == lazy), key=lambda e: -_alignment(e))
+        return sorted((e for e in entries if e.lazy == lazy), key=lambda e: (e.nbytes % 16 != 0, -_alignment(e)))
 
     ordered = group(True) + group(False)
     placed, offset = [], 0

@@ -41,6 +41,12 @@ def rewrite_header(path, mutate):
         f.write(struct.pack("<Q", len(body)) + body + rest)
 
 
+def shift_later_tensor(header, delta):
+    later = max(("a", "b"), key=lambda k: header[k]["data_offsets"][0])
+    start, end = header[later]["data_offsets"]
+    header[later]["data_offsets"] = [start + delta, end + delta]
+
+
 def rewrite_json(path, mutate):
     doc = json.load(open(path))
     mutate(doc)
@@ -66,8 +72,7 @@ def test_truncation_is_detected(saved):
 @pytest.mark.parametrize("mutate, message", [
     (lambda h: h["a"].update(dtype="F33"), "unknown dtype 'F33'"),
     (lambda h: h["a"].update(data_offsets=[0, 8]), "do not match"),
-    (lambda h: h["a"].update(data_offsets=[h["a"]["data_offsets"][0] - 8, h["a"]["data_offsets"][1] - 8]),
-     "overlaps|hole"),
+    (lambda h: shift_later_tensor(h, -8), "overlaps"),
     (lambda h: h["a"].update(shape=[-1]), "bad shape"),
     (lambda h: h.pop("b"), "hole|trailing|disagree"),
 ])
