@@ -15,7 +15,8 @@ from typing import Any
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
-from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointNotFoundError,
+from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError,
+                             CheckpointNotFoundError,
                              DirectoryLockedError, SnapshotConsistencyError, StepAlreadyCommittedError,
                              UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
@@ -39,7 +40,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = sorted([
-    "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointNotFoundError",
+    "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "PendingCheckpoint", "SnapshotConsistencyError",
     "StepAlreadyCommittedError", "UnsupportedValueError", "__version__", "capture_rng_state", "checkpoint_step",

@@ -71,6 +71,9 @@ class CheckpointConfig:
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < 1:
             raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be positive or None (one checkpoint)")
+        if self.on_busy is OnBusy.SKIP and self.world_size > 1:
+            raise ValueError("on_busy='skip' needs world_size=1: ranks could skip different steps and the "
+                             "checkpoint would never commit; use on_busy='wait' with several ranks")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size!r})")
         if self.commit_timeout_s <= 0:

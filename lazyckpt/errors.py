@@ -29,3 +29,7 @@ class DirectoryLockedError(RuntimeError):
 
 class UnsupportedValueError(TypeError):
     """A value in the state has no safe encoding; the message names its key path."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the run resuming from it; the message lists every difference."""

@@ -113,6 +113,7 @@ def test_two_live_checkpointers_cannot_share_a_directory(tmp_path):
     ({"keep_last_k": 0}, "keep_last_k=0"), ({"copy_backend": "gpu"}, "copy_backend='gpu'.*'cpu'"),
     ({"on_busy": "drop"}, "on_busy='drop'"), ({"rank": 2, "world_size": 2}, "rank=2"),
     ({"host_buffer_bytes": 0}, "host_buffer_bytes=0"),
+    ({"on_busy": "skip", "world_size": 2}, "on_busy='skip' needs world_size=1"),
 ])
 def test_bad_options_are_refused_with_the_argument_and_value(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
