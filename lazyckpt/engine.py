@@ -69,8 +69,20 @@ class PendingCheckpoint:
         self._checkpointer._barrier(self._job)
         if not self._job.done.wait(timeout):
             raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
-        self._checkpointer._deliver_error(self._job)
+        if self._job.error is not None:
+            self._job.error_delivered = True
+            raise self._job.error  # always: this handle's checkpoint failed, whoever saw the error first
         return self.path
+
+    @property
+    def failed(self) -> bool:
+        """True once this checkpoint has failed (see :attr:`error`)."""
+        return self._job is not None and self._job.error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The background failure of this checkpoint, if any (the original exception object)."""
+        return None if self._job is None else self._job.error
 
 
 class LazyCheckpointer:
@@ -155,6 +167,26 @@ class LazyCheckpointer:
             self._barrier(self._job)
             self._deliver_error(self._job)
 
+    def remove(self, step: int) -> bool:
+        """Delete the committed checkpoint of ``step`` (for callers with their own retention, e.g. top-k).
+
+        The directory is first renamed to a ``*.partial`` name, so a crash mid-delete leaves debris that the
+        next checkpointer removes, never a half-deleted "committed" checkpoint. Returns False if there was none.
+
+        Raises:
+            ValueError: ``step`` is the checkpoint in flight.
+        """
+        if self.in_flight is not None and self.in_flight.step == step:
+            raise ValueError(f"step {step} is still being written; wait() for it before removing it")
+        path = os.path.join(self.dirpath, step_dirname(step))
+        doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return False
+        self.storage.remove_tree(doomed)
+        return True
+
     @property
     def in_flight(self) -> CheckpointJob | None:
         """The checkpoint not yet committed (or failed), if any."""
@@ -202,7 +234,7 @@ class LazyCheckpointer:
             return
         started = time.monotonic()
         job.staged.wait()
-        if not job.failed:
+        if not job.failed and not job.deferred_resolved:
             try:
                 resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
                 job.tree = fill_deferred(job.tree, resolved)
@@ -276,10 +308,7 @@ class LazyCheckpointer:
     def _purge(self, just_committed: int) -> None:
         steps = committed_steps(self.dirpath)
         for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed):
-            # Rename first: a crash mid-delete leaves a partial directory, never a half-deleted "committed" one.
-            doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
-            os.rename(steps[step], doomed)
-            self.storage.remove_tree(doomed)
+            self.remove(step)
 
     def __del__(self) -> None:
         try:

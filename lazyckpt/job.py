@@ -62,6 +62,8 @@ class CheckpointJob:
     written: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     barrier_passed: bool = False
+    deferred_resolved: bool = False
+    """True once the Deferred leaves are in the tree (at once when there are none)."""
     commit_claimed: bool = False
     error_delivered: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -85,14 +87,22 @@ class CheckpointJob:
         self.staged.set()
         self.written.set()
 
+    def __post_init__(self) -> None:
+        self.deferred_resolved = not self.deferred
+
     def pass_barrier(self) -> None:
         with self._lock:
             self.barrier_passed = True
+            self.deferred_resolved = True
 
     def ready_to_commit(self) -> bool:
-        """True exactly once: when both the bytes are durable and the barrier resolved the Deferred leaves."""
+        """True exactly once: when the bytes are durable and the tree is complete (no Deferred left).
+
+        Without Deferred leaves a checkpoint commits as soon as its bytes are durable, even if the training loop
+        dies before the next barrier.
+        """
         with self._lock:
-            if self.written.is_set() and self.barrier_passed and not self.commit_claimed and self.error is None:
+            if self.written.is_set() and self.deferred_resolved and not self.commit_claimed and self.error is None:
                 self.commit_claimed = True
                 return True
             return False

@@ -21,7 +21,7 @@ from urllib.parse import quote
 import numpy as np
 import torch
 
-from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
+from lazyckpt.errors import UnsupportedValueError
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 """Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""

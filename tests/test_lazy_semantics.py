@@ -64,8 +64,10 @@ def test_an_in_place_change_inside_the_window_is_reported(tmp_path, trained):
         ckpt.wait_staged()
     assert any("step 1" in note for note in info.value.__notes__)
     assert lazyckpt.latest(tmp_path) is None, "a torn snapshot must never be committed"
-    pending.wait()  # the error was delivered once; the handle just reports the outcome
-    ckpt.close()
+    with pytest.raises(lazyckpt.SnapshotConsistencyError):
+        pending.wait()  # the handle of a failed checkpoint always says so
+    assert pending.failed and isinstance(pending.error, lazyckpt.SnapshotConsistencyError)
+    ckpt.close()  # the error was delivered; closing does not raise it again
 
 
 def test_no_optimizers_means_everything_is_copied_eagerly(tmp_path, trained):

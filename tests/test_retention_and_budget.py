@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import lazyckpt
@@ -47,3 +48,30 @@ def test_a_budget_smaller_than_one_checkpoint_still_works(tmp_path):
         ckpt.wait_staged()
         assert ckpt._copier.pool.nbytes == 2 << 20, "the pool must stay at the budget"
         assert_tree_equal(lazyckpt.load(pending.wait()), expected)
+
+
+def test_remove_deletes_a_committed_step_and_refuses_the_one_in_flight(tmp_path):
+    from conftest import GatedBackend
+
+    backend = GatedBackend()
+    with lazyckpt.LazyCheckpointer(tmp_path, backend=backend) as ckpt:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+        backend.gate.set()
+        ckpt.save({"x": torch.ones(3)}, step=1).wait()
+        backend.gate.clear()
+        ckpt.save({"p": opt.param_groups[0]["params"][0]}, step=2, optimizers=[opt])
+        with pytest.raises(ValueError, match="still being written"):
+            ckpt.remove(2)
+        assert ckpt.remove(1) and not ckpt.remove(1)
+        backend.gate.set()
+    assert lazyckpt.checkpoint_step(lazyckpt.latest(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == [".lock-rank00000", "step-0000002"]
+
+
+def test_a_checkpoint_without_deferred_leaves_commits_before_the_next_barrier(tmp_path):
+    param = torch.nn.Parameter(torch.ones(10))
+    opt = torch.optim.SGD([param], lr=0.1)
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        pending = ckpt.save({"p": param}, step=1, optimizers=[opt])
+        pending._job.done.wait()  # nobody called wait_staged(): a crash now must still find step 1
+        assert lazyckpt.latest(tmp_path) == pending.path
