@@ -1,0 +1,211 @@
+"""Framework-neutral pieces of the Lightning integration: reading lazyckpt checkpoints as Lightning checkpoint
+dicts, exporting them to plain ``.ckpt`` files, loading weights into a module, RNG states in a form that
+``torch.load(weights_only=True)`` accepts, and the CheckpointIO that resume goes through.
+
+Nothing here imports ``lightning`` or ``pytorch_lightning``; the two bindings add their base classes.
+
+Example:
+    >>> from lazyckpt.integrations.lightning import export_checkpoint, load_weights
+    >>> load_weights(model, "runs/ckpt/last.ckpt")                                 # doctest: +SKIP
+    >>> export_checkpoint("runs/ckpt/step-0000120", "model.ckpt")                  # doctest: +SKIP
+    >>> MyModule.load_from_checkpoint("model.ckpt")                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+import lazyckpt
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+logger = logging.getLogger(__name__)
+
+EXTRA_KEY = "lazyckpt"
+"""Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+# ------------------------------------------------------------------------------------------ reading and exporting
+def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
+    """True for a directory (or an alias symlink to one); lazyckpt checkpoints are directories."""
+    return os.path.isdir(os.fspath(path))
+
+
+def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None,
+                            map_location: Any = None, verify: bool = True) -> dict[str, Any]:
+    """The Lightning checkpoint dict stored in a lazyckpt checkpoint written by ``LazyCheckpoint``.
+
+    Args:
+        path: a committed ``step-NNNNNNN`` directory or an alias (``last.ckpt``, ``epoch=1-step=40.ckpt``).
+        rank: whose RNG states to attach (DDP writes one small file per rank); default rank 0.
+        map_location: device for the tensors (default CPU).
+        verify: check checksums while reading.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is missing, partial (uncommitted) or a directory of checkpoints.
+        CheckpointFormatError: it is a lazyckpt checkpoint but not a Lightning one, or its files are damaged.
+    """
+    path = _check_committed(os.fspath(path))
+    state = lazyckpt.load(path, map_location=map_location, verify=verify)
+    if not isinstance(state, dict) or any(k not in state for k in LIGHTNING_KEYS):
+        found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointFormatError(f"{path} is a lazyckpt checkpoint but not a Lightning one (it has {found}, "
+                                    f"not {list(LIGHTNING_KEYS)}); load it with lazyckpt.load() instead")
+    extra = state.get(EXTRA_KEY)
+    if rank and isinstance(extra, dict):
+        extra["rng"] = _rank_rng(path, rank, verify)
+    return state
+
+
+def _rank_rng(path: str, rank: int, verify: bool) -> dict[str, Any] | None:
+    try:
+        return lazyckpt.load(path, rank=rank, verify=verify)[EXTRA_KEY]["rng"]
+    except ValueError:  # saved by fewer ranks than read it now
+        warnings.warn(f"lazyckpt: {path} holds no RNG state for rank {rank} (it was saved by fewer ranks); "
+                      "that rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _check_committed(path: str) -> str:
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
+        newest = lazyckpt.latest(path)
+        if newest is not None:
+            raise CheckpointNotFoundError(
+                f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
+                "(or pass ckpt_path='last')")
+    if not os.path.exists(path):
+        hint = " It is still partial (never committed)." if os.path.isdir(path + ".partial") else ""
+        newest = lazyckpt.latest(os.path.dirname(path) or ".")
+        raise CheckpointNotFoundError(f"lazyckpt checkpoint {path} does not exist.{hint}"
+                                      + (f" The newest committed checkpoint there is {newest}." if newest else ""))
+    return path
+
+
+def export_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
+                      verify: bool = True) -> str:
+    """Write a lazyckpt checkpoint as a plain Lightning ``.ckpt`` file (atomically) and return its path.
+
+    The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
+    ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it.
+    """
+    checkpoint = to_lightning_checkpoint(path, verify=verify)
+    out_file = os.fspath(out_file)
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    tmp = f"{out_file}.tmp"
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, out_file)
+    return out_file
+
+
+def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
+                 map_location: Any = None) -> Any:
+    """Load the weights of a lazyckpt checkpoint into ``module`` (a LightningModule or any ``nn.Module`` whose
+    ``state_dict`` keys match); returns ``load_state_dict``'s result (missing and unexpected keys)."""
+    checkpoint = to_lightning_checkpoint(path, map_location=map_location)
+    return module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+
+def load_from_checkpoint(cls: type, path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` for a lazyckpt checkpoint (hyper-parameters included); ``kwargs`` go to it."""
+    buffer = io.BytesIO()
+    torch.save(to_lightning_checkpoint(path), buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, **kwargs)
+
+
+def check_fits(checkpoint: Mapping[str, Any], module: torch.nn.Module, path: str, *, strict: bool) -> None:
+    """Raise a clear error when the checkpoint's weights cannot belong to ``module``."""
+    saved = checkpoint.get("state_dict", {})
+    current = module.state_dict()
+    missing = sorted(set(current) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(current)) if strict else []
+    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(current[k].shape)}" for k in current
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != current[k].shape]
+    if missing or unexpected or shapes:
+        raise RuntimeError(
+            f"checkpoint {path} was not saved from this model ({type(module).__name__}): "
+            f"{len(missing)} missing key(s) {missing[:5]}, {len(unexpected)} unexpected key(s) {unexpected[:5]}, "
+            f"{len(shapes)} shape mismatch(es) {shapes[:3]}")
+
+
+# ------------------------------------------------------------------------------------------ RNG states
+def capture_rng(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """:func:`lazyckpt.capture_rng_state` with numpy's key array as an int64 tensor (``weights_only``-safe)."""
+    state = lazyckpt.capture_rng_state(generators)
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -> list[str]:
+    """Restore what :func:`capture_rng` captured; returns the names of the generators it restored."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached)
+    saved = state.get("generators") or {}
+    common = {k: g for k, g in generators.items() if k in saved}
+    lazyckpt.restore_rng_state(state, common)
+    return sorted(common)
+
+
+def find_generators(loaders: list[Any]) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects that drive the train loaders' shuffling, by a stable name."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    for i, loader in enumerate(loaders):
+        holders = {"loader": loader, "sampler": getattr(loader, "sampler", None),
+                   "batch_sampler.sampler": getattr(getattr(loader, "batch_sampler", None), "sampler", None)}
+        for where, holder in holders.items():
+            gen = getattr(holder, "generator", None)
+            if isinstance(gen, torch.Generator) and id(gen) not in seen:
+                seen.add(id(gen))
+                found[f"train[{i}].{where}"] = gen
+    return found
+
+
+# ------------------------------------------------------------------------------------------ CheckpointIO
+class LazyCheckpointIOMixin:
+    """Loads lazyckpt checkpoint directories for ``fit/validate/test(ckpt_path=...)``; everything else (plain
+    ``.ckpt`` files, direct ``trainer.save_checkpoint`` calls, SLURM ``hpc`` saves) goes to the wrapped
+    CheckpointIO, so those saves stay blocking and produce ordinary Lightning files."""
+
+    def __init__(self, base: Any, owner: Any = None) -> None:
+        super().__init__()
+        self.base = base
+        self._owner = weakref.ref(owner) if owner is not None else (lambda: None)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        owner = self._owner()
+        trainer = owner.trainer if owner is not None else None
+        if not is_lazyckpt_path(path):
+            if not os.path.exists(os.fspath(path)):
+                _check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
+            return self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        rank = trainer.global_rank if trainer is not None else 0
+        checkpoint = to_lightning_checkpoint(path, rank=rank, map_location=map_location)
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None:
+            check_fits(checkpoint, module, os.fspath(path), strict=getattr(module, "strict_loading", True))
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if os.path.islink(os.fspath(path)):
+            os.unlink(os.fspath(path))
+        else:
+            self.base.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.base.teardown()

@@ -1,0 +1,183 @@
+"""A small LightningModule with every kind of state a resume must restore, and a runner the Lightning tests
+use in-process and as a subprocess (``python tests/_lightning_helpers.py --help``).
+
+The module has dropout (global torch RNG), BatchNorm (buffers written in forward), a frozen layer (``immutable``
+tensors), AdamW state, a step-wise LR scheduler and a shuffled train loader driven by its own generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def namespace(name: str = "lightning"):
+    """``(pl, LazyCheckpoint)`` for ``"lightning"`` or ``"pytorch_lightning"``."""
+    if name == "lightning":
+        pl = importlib.import_module("lightning.pytorch")
+        return pl, importlib.import_module("lazyckpt.integrations.lightning").LazyCheckpoint
+    pl = importlib.import_module("pytorch_lightning")
+    return pl, importlib.import_module("lazyckpt.integrations.pytorch_lightning").LazyCheckpoint
+
+
+def make_module_class(pl):
+    class TinyModel(pl.LightningModule):
+        def __init__(self, manual: bool = False, n_optimizers: int = 1, hidden: int = 16, samples: int = 64,
+                     stateful_loader: bool = False):
+            super().__init__()
+            self.save_hyperparameters()
+            self.automatic_optimization = not manual
+            self.frozen = nn.Linear(8, 8).requires_grad_(False)
+            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.3))
+            self.head = nn.Linear(hidden, 2)
+            self.losses: list[float] = []
+
+        def forward(self, x):
+            return self.head(self.net(self.frozen(x)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self(x), y)
+            self.log("train_loss", loss)
+            self.losses.append(loss.item())
+            if self.automatic_optimization:
+                return loss
+            opts = self.optimizers()
+            opts = opts if isinstance(opts, list) else [opts]
+            for opt in opts:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in opts:
+                opt.step()
+            scheds = self.lr_schedulers() or []
+            for sched in scheds if isinstance(scheds, list) else [scheds]:
+                sched.step()
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+        def configure_optimizers(self):
+            if self.hparams.n_optimizers == 2:
+                opts = [torch.optim.AdamW(self.net.parameters(), lr=1e-2),
+                        torch.optim.SGD(self.head.parameters(), lr=0.1, momentum=0.9)]
+                return opts, [torch.optim.lr_scheduler.StepLR(o, 2, 0.9) for o in opts]
+            opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self):
+            gen = torch.Generator().manual_seed(1234)
+            cls = StatefulLoader if self.hparams.stateful_loader else DataLoader
+            return cls(_dataset(self.hparams.samples, 0), batch_size=8, shuffle=True, generator=gen)
+
+        def val_dataloader(self):
+            return DataLoader(_dataset(32, 1), batch_size=16)
+
+    return TinyModel
+
+
+class StatefulLoader(DataLoader):
+    """A loader that resumes mid-epoch through Lightning's own mechanism (``state_dict``/``load_state_dict``):
+    its state is the shuffling generator's state at the start of the epoch and how many batches it yielded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch_start, self._yielded, self._resume = None, 0, None
+
+    def __iter__(self):
+        return self._batches()
+
+    def _batches(self):  # a generator: runs at the first next(), after every restore hook
+        skip = 0
+        if self._resume is not None:
+            self.generator.set_state(self._resume["generator"].clone())
+            skip, self._resume = self._resume["yielded"], None
+        self._epoch_start, self._yielded = self.generator.get_state(), 0
+        for i, batch in enumerate(DataLoader.__iter__(self)):
+            self._yielded = i + 1
+            if i >= skip:
+                yield batch
+
+    def state_dict(self):
+        return {"generator": self._epoch_start, "yielded": self._yielded}
+
+    def load_state_dict(self, state):
+        self._resume = state
+
+
+def _dataset(n: int, seed: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=gen)
+    return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long())
+
+
+def make_crash_callback(pl, crash_at: int):
+    class CrashAt(pl.Callback):
+        """Hard-exit (no cleanup, no atexit) when the loop is about to run the given step."""
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == crash_at:
+                os._exit(17)
+
+    return CrashAt()
+
+
+def final_state(model, trainer) -> dict:
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "global_step": trainer.global_step, "losses": list(model.losses)}
+
+
+def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: int = -1, crash_at: int | None = None,
+        resume: str | None = None, devices: int = 1, strategy: str = "ddp", seed: int = 0,
+        callback_kwargs: dict | None = None,
+        trainer_kwargs: dict | None = None, model_kwargs: dict | None = None):
+    """Train ``TinyModel`` with a ``LazyCheckpoint``; returns ``(trainer, model, callback)``."""
+    pl, lazy_checkpoint = namespace(ns)
+    pl.seed_everything(seed, verbose=False)
+    model = make_module_class(pl)(**(model_kwargs or {}))
+    callback = lazy_checkpoint(dirpath, **(callback_kwargs or {}))
+    callbacks = [callback] + ([make_crash_callback(pl, crash_at)] if crash_at is not None else [])
+    kwargs = dict(max_epochs=max_epochs, max_steps=max_steps, callbacks=callbacks, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "auto")
+    kwargs.update(trainer_kwargs or {})
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(model, ckpt_path=resume)
+    return trainer, model, callback
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dirpath", required=True)
+    parser.add_argument("--out", help="torch.save the final model/optimizer state here (rank 0)")
+    parser.add_argument("--ns", default="lightning", choices=["lightning", "pytorch_lightning"])
+    parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--crash-at", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--every-n-train-steps", type=int)
+    parser.add_argument("--stateful-loader", action="store_true")
+    args = parser.parse_args(argv)
+    cb_kwargs = {"save_top_k": -1, "save_last": True}
+    if args.every_n_train_steps:
+        cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
+    trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
+                            resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
+                            model_kwargs={"stateful_loader": args.stateful_loader})
+    if args.out and trainer.is_global_zero:
+        torch.save(final_state(model, trainer), args.out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

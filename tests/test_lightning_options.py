@@ -1,0 +1,99 @@
+"""LazyCheckpoint keeps ModelCheckpoint's decisions: same names, same top-k, same "last", same triggers."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+from _lightning_helpers import make_module_class, namespace
+
+import lazyckpt
+
+pl, LazyCheckpoint = namespace("lightning")
+ModelCheckpoint = pl.callbacks.ModelCheckpoint
+TinyModel = make_module_class(pl)
+
+
+def _names(dirpath) -> set[str]:
+    return {n for n in os.listdir(dirpath) if n.endswith(".ckpt")}
+
+
+def _fit_both(tmp_path, max_epochs=4, trainer_kwargs=None, **options):
+    """One trainer with a ModelCheckpoint and a LazyCheckpoint given the same options (same metrics, same
+    decisions); returns both callbacks after fit."""
+    pl.seed_everything(0, verbose=False)
+    plain = ModelCheckpoint(dirpath=tmp_path / "plain", **options)
+    lazy = LazyCheckpoint(tmp_path / "lazy", **options)
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[plain, lazy], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, **(trainer_kwargs or {}))
+    trainer.fit(TinyModel())
+    return plain, lazy
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(monitor="val_loss", mode="min", save_top_k=2), id="top-k-monitor-min"),
+    pytest.param(dict(monitor="val_loss", mode="max", save_top_k=1, save_last=True), id="top-1-max-save-last"),
+    pytest.param(dict(every_n_epochs=2, save_top_k=-1), id="every-2-epochs"),
+    pytest.param(dict(every_n_train_steps=5, save_top_k=-1, save_last=True), id="every-5-steps-save-last"),
+    pytest.param(dict(every_n_train_steps=3, save_top_k=1, save_last="link"), id="save-last-link"),
+    pytest.param(dict(train_time_interval=timedelta(seconds=0), save_top_k=-1), id="train-time-interval"),
+    pytest.param(dict(filename="{epoch:02d}-{val_loss:.3f}", monitor="val_loss", save_top_k=3), id="filename"),
+    pytest.param(dict(save_on_train_epoch_end=True, save_last=True), id="save-on-train-epoch-end"),
+])
+def test_the_same_checkpoint_names_as_model_checkpoint(tmp_path, options):
+    plain, lazy = _fit_both(tmp_path, **options)
+    assert _names(tmp_path / "lazy") == _names(tmp_path / "plain")
+    assert os.path.basename(lazy.best_model_path) == os.path.basename(plain.best_model_path)
+    assert {os.path.basename(k) for k in lazy.best_k_models} == {os.path.basename(k) for k in plain.best_k_models}
+    for name in _names(tmp_path / "lazy"):  # every name is a committed checkpoint of the step in its name
+        state = lazyckpt.load(tmp_path / "lazy" / name)
+        assert torch.equal(state["state_dict"]["head.weight"], torch.load(
+            tmp_path / "plain" / name, weights_only=True)["state_dict"]["head.weight"])
+
+
+def test_top_k_removal_deletes_unnamed_step_directories(tmp_path):
+    _, lazy = _fit_both(tmp_path, max_epochs=5, monitor="val_loss", save_top_k=1)
+    steps = sorted(n for n in os.listdir(tmp_path / "lazy") if n.startswith("step-"))
+    assert len(steps) == 1 and os.path.realpath(lazy.best_model_path).endswith(steps[0])
+
+
+def test_keep_last_k_keeps_the_newest_in_addition_to_the_top_k(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    lazy = LazyCheckpoint(tmp_path, monitor="val_loss", save_top_k=1, keep_last_k=2)
+    trainer = pl.Trainer(max_epochs=5, callbacks=[lazy], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(TinyModel())
+    committed = sorted(int(n.split("-")[1]) for n in os.listdir(tmp_path) if n.startswith("step-"))
+    best = lazyckpt.checkpoint_step(lazy.best_model_path)
+    assert set(committed) == {best, 32, 40}  # the best one (save_top_k) plus the newest two (keep_last_k)
+    assert _names(tmp_path) == {os.path.basename(lazy.best_model_path)}  # names follow save_top_k alone
+    assert lazyckpt.latest(tmp_path).endswith("step-0000040")
+
+
+def test_save_weights_only_stores_no_optimizer_state(tmp_path):
+    _, lazy = _fit_both(tmp_path, max_epochs=1, save_weights_only=True)
+    state = lazyckpt.load(lazy.best_model_path)
+    assert "optimizer_states" not in state and "state_dict" in state
+
+
+def test_default_dirpath_is_chosen_like_model_checkpoint(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    lazy = LazyCheckpoint()
+    trainer = pl.Trainer(max_epochs=1, callbacks=[lazy], default_root_dir=tmp_path, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(TinyModel())
+    assert lazy.dirpath == str(tmp_path / "checkpoints")
+    assert lazyckpt.latest(lazy.dirpath).endswith("step-0000008")
+
+
+def test_invalid_options_fail_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="keep_last_k=0"):
+        LazyCheckpoint(tmp_path, keep_last_k=0)
+    with pytest.raises(ValueError, match="on_busy='later'"):
+        LazyCheckpoint(tmp_path, on_busy="later")
+    with pytest.raises(ValueError, match="rank"):
+        LazyCheckpoint(tmp_path, engine_options={"rank": 1})
+    with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="save_top_k=2"):
+        LazyCheckpoint(tmp_path, save_top_k=2)  # ModelCheckpoint's own validation still applies

@@ -1,0 +1,85 @@
+"""Crash (a hard ``os._exit`` in a subprocess) and resume: the resumed run equals the uninterrupted one bit for bit.
+
+The crash is placed at the start of the batch right after a checkpoint request. That request cannot be committed
+yet (commit follows the barrier before the next optimizer step), and the engine finished the previous checkpoint
+before accepting it (``on_busy="wait"``), so the crash always leaves one partial and one committed checkpoint,
+without sleeping or polling.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lazyckpt
+
+HELPER = os.path.join(os.path.dirname(__file__), "_lightning_helpers.py")
+pytestmark = pytest.mark.slow
+
+
+def _train(dirpath, *args, out=None, expect_rc=0, timeout=240):
+    cmd = [sys.executable, HELPER, "--dirpath", str(dirpath), *map(str, args)]
+    if out is not None:
+        cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _assert_identical(expected_file, resumed_file, steps_resumed):
+    expected = torch.load(expected_file, weights_only=False)
+    resumed = torch.load(resumed_file, weights_only=False)
+    assert resumed["global_step"] == expected["global_step"]
+    assert len(resumed["losses"]) == steps_resumed  # it really resumed, and from where we expect
+    assert resumed["losses"] == expected["losses"][-steps_resumed:]
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    for exp_opt, res_opt in zip(expected["optimizers"], resumed["optimizers"]):
+        assert exp_opt["param_groups"] == res_opt["param_groups"]
+        for index, per_param in exp_opt["state"].items():
+            for name, value in per_param.items():
+                assert torch.equal(value, res_opt["state"][index][name]), (index, name)
+
+
+def _committed(dirpath):
+    return sorted(n for n in os.listdir(dirpath) if n.startswith("step-") and not n.endswith(".partial"))
+
+
+@pytest.mark.parametrize("ns", ["lightning"])  # pytorch_lightning resume: test_lightning_callback.py
+def test_crash_and_resume_at_an_epoch_boundary_is_bit_exact(tmp_path, ns):
+    _train(tmp_path / "full", "--ns", ns, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, "--ns", ns, "--crash-at", 16, expect_rc=17)
+    assert _committed(crashed) == ["step-0000008"]  # step 16 was requested, never committed
+    _train(crashed, "--ns", ns, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=16)
+    assert _committed(crashed) == ["step-0000008", "step-0000016", "step-0000024"]
+
+
+def test_mid_epoch_resume_is_bit_exact_with_a_stateful_loader(tmp_path):
+    args = ("--every-n-train-steps", 3, "--stateful-loader")
+    _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, *args, "--crash-at", 12, expect_rc=17)
+    assert lazyckpt.latest(crashed).endswith("step-0000009")  # mid-epoch: batch 1 of epoch 1
+    _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=15)
+
+
+def test_ddp_on_cpu_saves_one_file_per_rank_and_resumes_bit_exact(tmp_path):
+    args = ("--devices", 2, "--max-epochs", 3)  # 64 samples, 2 ranks, batch 8: 4 steps per epoch
+    _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, *args, "--crash-at", 8, expect_rc=17)
+    assert _committed(crashed) == ["step-0000004"]
+    files = sorted(os.listdir(crashed / "step-0000004"))
+    assert files == ["manifest.json", "rank-00000-of-00002.safetensors", "rank-00000.json",
+                     "rank-00001-of-00002.safetensors", "rank-00001.json"]
+    rank1 = lazyckpt.load(crashed / "step-0000004", rank=1)
+    assert set(rank1) == {"lazyckpt"} and rank1["lazyckpt"]["rank"] == 1  # rank 1 writes only its RNG states
+    _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
