@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 
 from lazyckpt.format import STEP_DIR
@@ -47,7 +46,7 @@ def alias_step(alias: str) -> int | None:
     """The step a symlink alias points at, or None."""
     if not os.path.islink(alias):
         return None
-    match = STEP_DIR.match(os.path.basename(os.path.normpath(os.readlink(alias))))
+    match = STEP_DIR.fullmatch(os.path.basename(os.path.normpath(os.readlink(alias))))
     return int(match.group(1)) if match else None
 
 
@@ -84,5 +83,5 @@ def resolve_step(path: str | None, dirpath: str) -> int | None:
     real = os.path.realpath(path)
     if os.path.dirname(real) != os.path.realpath(dirpath):
         return None
-    match = re.match(STEP_DIR, os.path.basename(real))
+    match = STEP_DIR.fullmatch(os.path.basename(real))
     return int(match.group(1)) if match else None

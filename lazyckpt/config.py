@@ -69,8 +69,9 @@ class CheckpointConfig:
         self.on_busy = _parse_enum(OnBusy, "on_busy", self.on_busy)
         if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
-        if self.host_buffer_bytes is not None and self.host_buffer_bytes < 1:
-            raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be positive or None (one checkpoint)")
+        if self.host_buffer_bytes is not None and self.host_buffer_bytes < (1 << 20):
+            raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 1 MiB (one staging "
+                             "slot) or None (one checkpoint)")
         if self.on_busy is OnBusy.SKIP and self.world_size > 1:
             raise ValueError("on_busy='skip' needs world_size=1: ranks could skip different steps and the "
                              "checkpoint would never commit; use on_busy='wait' with several ranks")

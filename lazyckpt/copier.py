@@ -93,20 +93,21 @@ class Copier:
             while len(slots) < len(pieces) - done and (extra := pool.acquire(block=False)) is not None:
                 slots.append(extra)
             batch = pieces[done : done + len(slots)]
+            handed = 0  # slots owned by the writer from here on; the rest go back to the pool on any failure
             try:
                 sums = self.backend.copy_pieces(flat, batch, [pool.slot(s) for s in slots])
-            except BaseException:
-                for slot in slots:
+                for i, (piece, slot) in enumerate(zip(batch, slots)):
+                    staged = pool.slot(slot)[: piece.nbytes].numpy()
+                    if sums is not None:
+                        _record_checksums(job, piece, sums[i])
+                    writer.submit(WriteTask(
+                        job, self.storage, job.handle, _file_offset(job, piece), [memoryview(staged)],
+                        release=partial(pool.release, slot),
+                        prepare=None if sums is not None else partial(_checksum_staged, job, piece, staged)))
+                    handed += 1
+            finally:
+                for slot in slots[handed:]:
                     pool.release(slot)
-                raise
-            for i, (piece, slot) in enumerate(zip(batch, slots)):
-                staged = pool.slot(slot)[: piece.nbytes].numpy()
-                if sums is not None:
-                    _record_checksums(job, piece, sums[i])
-                writer.submit(WriteTask(
-                    job, self.storage, job.handle, _file_offset(job, piece), [memoryview(staged)],
-                    release=lambda slot=slot: pool.release(slot),
-                    prepare=None if sums is not None else partial(_checksum_staged, job, piece, staged)))
             done += len(batch)
 
 

@@ -110,6 +110,7 @@ class LazyCheckpointer:
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
+        self._pending: PendingCheckpoint | None = None
         self.stats: list[CheckpointStats] = []
         self._pid = os.getpid()
         self._closed = False
@@ -153,9 +154,10 @@ class LazyCheckpointer:
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
         self._job = job
+        self._pending = PendingCheckpoint(self, job, step)
         self._copier.submit(job)
         job.stats.save_s = time.monotonic() - started
-        return PendingCheckpoint(self, job, step)
+        return self._pending
 
     def wait_staged(self) -> None:
         """The barrier: returns once the in-flight snapshot no longer needs the live tensors.
@@ -188,9 +190,9 @@ class LazyCheckpointer:
         return True
 
     @property
-    def in_flight(self) -> CheckpointJob | None:
-        """The checkpoint not yet committed (or failed), if any."""
-        return self._job if self._job is not None and not self._job.done.is_set() else None
+    def in_flight(self) -> PendingCheckpoint | None:
+        """The handle of the checkpoint not yet committed (or failed), if any."""
+        return self._pending if self._pending is not None and not self._pending.done() else None
 
     def close(self) -> None:
         """Finish the in-flight checkpoint, stop the copier and release the directory. Idempotent."""
@@ -220,6 +222,9 @@ class LazyCheckpointer:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) is closed; cannot {what}()")
+        if self._pid != os.getpid():
+            raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) was created in process {self._pid}; its threads "
+                               f"do not exist in this forked process {os.getpid()}: create a new one here")
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
@@ -230,20 +235,21 @@ class LazyCheckpointer:
         return self._backend
 
     def _barrier(self, job: CheckpointJob) -> None:
-        if job.barrier_passed:
-            return
-        started = time.monotonic()
-        job.staged.wait()
-        if not job.failed and not job.deferred_resolved:
-            try:
-                resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
-                job.tree = fill_deferred(job.tree, resolved)
-            except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
-                job.fail(e)
-        job.pass_barrier()
-        job.stats.wait_s += time.monotonic() - started
-        if job.ready_to_commit():
-            SharedWriter.get().submit(CallTask(job, lambda: self._commit_off_writer(job), always=True))
+        with job.barrier_lock:  # two threads may reach the barrier; the Deferred leaves run once
+            if job.barrier_passed:
+                return
+            started = time.monotonic()
+            job.staged.wait()
+            if not job.failed and not job.deferred_resolved:
+                try:
+                    resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
+                    job.tree = fill_deferred(job.tree, resolved)
+                except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
+                    job.fail(e)
+            job.pass_barrier()
+            job.stats.wait_s += time.monotonic() - started
+        if job.written.is_set():  # the writer already closed the file: it will not ask again, so end it here
+            SharedWriter.get().submit(CallTask(job, lambda: self._end(job), always=True))
 
     def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
         self._barrier(job)
@@ -257,7 +263,7 @@ class LazyCheckpointer:
             raise job.error
 
     def _finalize(self, job: CheckpointJob) -> None:
-        """Writer thread, after the job's last write: make the file durable, then commit if the barrier passed."""
+        """Writer thread, after the job's last write: make the file durable, then end the job if it can."""
         try:
             if job.handle is not None:
                 self.storage.close(job.handle, sync=self.config.fsync and not job.failed)
@@ -265,11 +271,14 @@ class LazyCheckpointer:
             job.fail(e)
         job.handle = None
         job.sources = []
-        if job.failed:
-            self._discard(job)
-            return
         job.written.set()
-        if job.ready_to_commit():
+        self._end(job)
+
+    def _end(self, job: CheckpointJob) -> None:
+        outcome = job.claim_end()
+        if outcome == "discard":
+            self._discard(job)
+        elif outcome == "commit":
             self._commit_off_writer(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:
@@ -282,28 +291,32 @@ class LazyCheckpointer:
     def _commit(self, job: CheckpointJob) -> None:
         try:
             commit(job, self.storage, sync=self.config.fsync, timeout_s=self.config.commit_timeout_s)
-            job.stats.flush_s = time.monotonic() - job.requested_at
-            self.stats.append(job.stats)
-            logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
-                        job.stats.flush_s)
-            if job.rank == 0:
-                self._purge(job.step)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
             self._discard(job)
             return
+        job.stats.flush_s = time.monotonic() - job.requested_at
+        self.stats.append(job.stats)
+        logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
+                    job.stats.flush_s)
+        if job.rank == 0:
+            try:
+                self._purge(job.step)
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
+                logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
         job.done.set()
 
     def _discard(self, job: CheckpointJob) -> None:
         """A failed checkpoint leaves nothing behind; committed ones are never touched."""
-        if job.rank == 0:
-            self.storage.remove_tree(job.partial_dir)
-        else:
-            try:
+        try:
+            if job.rank == 0:
+                self.storage.remove_tree(job.partial_dir)
+            elif os.path.exists(job.file_path):
                 os.remove(job.file_path)
-            except OSError:
-                pass
-        job.done.set()
+        except Exception as e:  # noqa: BLE001 - the failure itself is what the caller must see
+            logger.warning("lazyckpt: could not remove the partial checkpoint %s: %r", job.partial_dir, e)
+        finally:
+            job.done.set()
 
     def _purge(self, just_committed: int) -> None:
         steps = committed_steps(self.dirpath)

@@ -22,7 +22,8 @@ HEADER_ALIGN = 4096
 """The data section starts on a 4 KiB boundary (header padded with spaces), ready for direct I/O."""
 MAX_HEADER_BYTES = 100 << 20
 """safetensors' own cap on the JSON header."""
-STEP_DIR = re.compile(r"^step-(\d{7,})$")
+STEP_DIR = re.compile(r"step-([0-9]{7,})")
+"""Use with ``fullmatch``: ``match`` would accept a trailing newline."""
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -44,7 +45,7 @@ def dtype_name(dtype: torch.dtype, path: Any = ()) -> str:
 
 
 def torch_dtype(name: Any) -> torch.dtype:
-    if name not in _TORCH_DTYPES:
+    if not isinstance(name, str) or name not in _TORCH_DTYPES:
         raise CheckpointFormatError(f"unknown dtype {name!r}; the format knows {sorted(_TORCH_DTYPES)}")
     return _TORCH_DTYPES[name]
 
@@ -94,13 +95,35 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path}: header is not valid UTF-8 JSON: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path}: header is not valid UTF-8 JSON: {e!r}") from e
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{path}: header must be a JSON object")
     header.pop("__metadata__", None)
     _check_ranges(path, header, size - 8 - length)
     return header, 8 + length
+
+
+_MAX_DIM = 1 << 62
+
+
+def check_shape(shape: Any, where: str) -> list[int]:
+    """A shape is a list of non-negative ints whose non-zero product stays far from overflow."""
+    if not (isinstance(shape, list) and all(type(s) is int and 0 <= s < _MAX_DIM for s in shape)):
+        raise CheckpointFormatError(f"{where} has a bad shape {shape!r}")
+    product = 1
+    for s in shape:
+        product *= max(s, 1)
+    if product >= _MAX_DIM:
+        raise CheckpointFormatError(f"{where} has an impossibly large shape {shape!r}")
+    return shape
+
+
+def numel_of(shape: list[int]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel
 
 
 def _check_ranges(path: str, header: dict[str, Any], data_bytes: int) -> None:
@@ -110,15 +133,11 @@ def _check_ranges(path: str, header: dict[str, Any], data_bytes: int) -> None:
             raise CheckpointFormatError(f"{path}: tensor {key!r} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         torch_dtype(dtype)
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise CheckpointFormatError(f"{path}: tensor {key!r} has a bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        check_shape(shape, f"{path}: tensor {key!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CheckpointFormatError(f"{path}: tensor {key!r} has bad data_offsets {offsets!r}")
         start, end = offsets
-        numel = 1
-        for s in shape:
-            numel *= s
-        if not 0 <= start <= end or end - start != numel * _ITEMSIZE[dtype]:
+        if not 0 <= start <= end or end - start != numel_of(shape) * _ITEMSIZE[dtype]:
             raise CheckpointFormatError(f"{path}: tensor {key!r} offsets {offsets} do not match {dtype}{shape}")
         spans.append((start, end, key))
     cursor = 0
@@ -164,17 +183,33 @@ def check_rank_manifest(doc: Any, where: str) -> dict[str, Any]:
     checksum = doc.get("checksum")
     if checksum != {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}:
         raise CheckpointFormatError(f"{where}: unsupported checksum {checksum!r}; this reader knows {ALGORITHM}")
+    if type(doc.get("rank")) is not int or not 0 <= doc["rank"] < doc["world_size"]:
+        raise CheckpointFormatError(f"{where}: 'rank' must be an int in [0, world_size), got {doc.get('rank')!r}")
+    if "tree" not in doc:
+        raise CheckpointFormatError(f"{where}: the manifest has no 'tree'")
     tensors = doc.get("tensors")
     if not isinstance(tensors, dict):
         raise CheckpointFormatError(f"{where}: 'tensors' must be an object")
     for key, info in tensors.items():
-        sums = info.get("checksums") if isinstance(info, dict) else None
-        offsets = info.get("offsets") if isinstance(info, dict) else None
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
-            raise CheckpointFormatError(f"{where}: tensor {key!r} has bad offsets {offsets!r}")
-        if not isinstance(sums, list) or len(sums) != num_chunks(offsets[1] - offsets[0]):
-            raise CheckpointFormatError(f"{where}: tensor {key!r} must list one checksum per {CHUNK_BYTES}-byte chunk")
+        _check_tensor_entry(info, f"{where}: tensor {key!r}")
     return doc
+
+
+_TENSOR_FIELDS = {"dtype", "shape", "offsets", "checksums", "capture"}
+
+
+def _check_tensor_entry(info: Any, where: str) -> None:
+    if not isinstance(info, dict) or set(info) != _TENSOR_FIELDS:
+        raise CheckpointFormatError(f"{where} must have exactly the fields {sorted(_TENSOR_FIELDS)}")
+    torch_dtype(info["dtype"])
+    check_shape(info["shape"], where)
+    offsets = info["offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        raise CheckpointFormatError(f"{where} has bad offsets {offsets!r}")
+    sums = info["checksums"]
+    if not isinstance(sums, list) or len(sums) != num_chunks(offsets[1] - offsets[0]) \
+            or not all(isinstance(c, str) for c in sums):
+        raise CheckpointFormatError(f"{where} must list one checksum string per {CHUNK_BYTES}-byte chunk")
 
 
 def _check_common(doc: Any, where: str) -> None:
@@ -186,7 +221,7 @@ def _check_common(doc: Any, where: str) -> None:
         raise CheckpointFormatError(f"{where}: format_version {doc.get('format_version')!r} is not supported "
                                     f"(this reader knows {FORMAT_VERSION}); upgrade lazyckpt")
     for field in ("step", "world_size"):
-        if not isinstance(doc.get(field), int) or isinstance(doc.get(field), bool) or doc[field] < 0:
+        if type(doc.get(field)) is not int or doc[field] < 0:
             raise CheckpointFormatError(f"{where}: '{field}' must be a non-negative int, got {doc.get(field)!r}")
     if doc["world_size"] < 1:
         raise CheckpointFormatError(f"{where}: 'world_size' must be at least 1")

@@ -60,11 +60,13 @@ class CheckpointJob:
     handle: Any = None
     staged: threading.Event = field(default_factory=threading.Event)
     written: threading.Event = field(default_factory=threading.Event)
+    """Set once the tensor file is closed (durable unless the job failed)."""
     done: threading.Event = field(default_factory=threading.Event)
+    barrier_lock: threading.Lock = field(default_factory=threading.Lock)
     barrier_passed: bool = False
     deferred_resolved: bool = False
     """True once the Deferred leaves are in the tree (at once when there are none)."""
-    commit_claimed: bool = False
+    end_claimed: bool = False
     error_delivered: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -78,31 +80,33 @@ class CheckpointJob:
 
         return os.path.join(self.partial_dir, rank_file(self.rank, self.world_size))
 
+    def __post_init__(self) -> None:
+        self.deferred_resolved = not self.deferred
+
     def fail(self, error: BaseException) -> None:
-        """Record the first failure; every waiter wakes up and sees it."""
+        """Record the first failure and wake the barrier; the job ends through :meth:`claim_end`."""
         with self._lock:
             if self.error is None:
                 error.add_note(f"lazyckpt: while saving step {self.step} to {self.final_dir} (rank {self.rank})")
                 self.error = error
         self.staged.set()
-        self.written.set()
-
-    def __post_init__(self) -> None:
-        self.deferred_resolved = not self.deferred
 
     def pass_barrier(self) -> None:
         with self._lock:
             self.barrier_passed = True
             self.deferred_resolved = True
 
-    def ready_to_commit(self) -> bool:
-        """True exactly once: when the bytes are durable and the tree is complete (no Deferred left).
+    def claim_end(self) -> str | None:
+        """Decide, exactly once, how the job ends: ``"discard"`` once it failed and its file is closed,
+        ``"commit"`` once its bytes are durable and its tree complete (no Deferred left); else ``None``.
 
-        Without Deferred leaves a checkpoint commits as soon as its bytes are durable, even if the training loop
-        dies before the next barrier.
+        The writer (after closing the file) and the barrier (after evaluating the Deferred leaves) both ask;
+        whichever comes second gets the answer, so a job always ends and never twice.
         """
         with self._lock:
-            if self.written.is_set() and self.deferred_resolved and not self.commit_claimed and self.error is None:
-                self.commit_claimed = True
-                return True
-            return False
+            if self.end_claimed or not self.written.is_set():
+                return None
+            if self.error is None and not self.deferred_resolved:
+                return None
+            self.end_claimed = True
+            return "discard" if self.error is not None else "commit"

@@ -53,6 +53,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
     if not 0 <= rank < top["world_size"]:
         raise ValueError(f"rank={rank} is out of range: {path} was saved by {top['world_size']} rank(s)")
     doc, tensors = _load_rank(path, top["ranks"][rank], verify=verify)
+    _match_top(path, top, doc, rank)
     if map_location is not None:
         tensors = {k: t.to(map_location) for k, t in tensors.items()}
     return unflatten(doc["tree"], tensors)
@@ -62,8 +63,16 @@ def verify(path: str | os.PathLike[str]) -> None:
     """Check every file, header, manifest rule and checksum of every rank; raises on the first problem."""
     path = os.fspath(path)
     top = _top_manifest(path)
-    for name in top["ranks"]:
-        _load_rank(path, name, verify=True)
+    for rank, name in enumerate(top["ranks"]):
+        doc, _ = _load_rank(path, name, verify=True)
+        _match_top(path, top, doc, rank)
+
+
+def _match_top(path: str, top: dict[str, Any], doc: dict[str, Any], rank: int) -> None:
+    mine = (doc["step"], doc["world_size"], doc["rank"])
+    if mine != (top["step"], top["world_size"], rank):
+        raise CheckpointFormatError(f"{path}: rank manifest {top['ranks'][rank]!r} says step/world_size/rank "
+                                    f"{mine}, the checkpoint's manifest expects {(top['step'], top['world_size'], rank)}")
 
 
 def _top_manifest(path: str) -> dict[str, Any]:
@@ -80,14 +89,14 @@ def _read_json(path: str) -> Any:
             return json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointFormatError(f"{path} is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{path} is not valid UTF-8 JSON: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path} is not valid UTF-8 JSON: {e!r}") from e
 
 
 def _load_rank(path: str, manifest_name: str, *, verify: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    where = os.path.join(path, check_member_name(manifest_name, path))
+    where = _member(path, manifest_name)
     doc = check_rank_manifest(_read_json(where), where)
-    file_path = os.path.join(path, doc["file"])
+    file_path = _member(path, doc["file"])
     if not os.path.isfile(file_path):
         raise CheckpointFormatError(f"{where} names tensor file {doc['file']!r}, which is missing")
     header, data_start = read_header(file_path)
@@ -100,6 +109,15 @@ def _load_rank(path: str, manifest_name: str, *, verify: bool) -> tuple[dict[str
                 _verify_tensor(file_path, key, tensor, info["checksums"])
             tensors[key] = tensor
     return doc, tensors
+
+
+def _member(path: str, name: Any) -> str:
+    """A file of the checkpoint directory; a link may not lead the reader outside it."""
+    full = os.path.join(path, check_member_name(name, path))
+    if os.path.dirname(os.path.realpath(full)) != os.path.realpath(path):
+        raise CheckpointFormatError(f"{full} resolves to {os.path.realpath(full)}, outside the checkpoint "
+                                    "directory; lazyckpt reads only files inside it")
+    return full
 
 
 def _match_manifest(where: str, file_path: str, tensors: dict[str, Any], header: dict[str, Any]) -> None:

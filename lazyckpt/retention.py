@@ -15,7 +15,7 @@ def committed_steps(dirpath: str) -> dict[int, str]:
     except FileNotFoundError:
         return found
     for name in names:
-        match = STEP_DIR.match(name)
+        match = STEP_DIR.fullmatch(name)
         path = os.path.join(dirpath, name)
         if match and os.path.isfile(os.path.join(path, MANIFEST)):
             found[int(match.group(1))] = path

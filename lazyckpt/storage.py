@@ -103,12 +103,13 @@ class _OpenFile:
     def __init__(self, path: str, *, direct_io: bool) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o644)
         self.direct_fd: int | None = None
+        self.bounce: mmap.mmap | None = None
         if direct_io and hasattr(os, "O_DIRECT"):
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | _CLOEXEC)
+                self.bounce = mmap.mmap(-1, _BOUNCE_BYTES)
             except OSError:  # tmpfs and some network file systems refuse O_DIRECT
-                self.direct_fd = None
-        self.bounce = mmap.mmap(-1, _BOUNCE_BYTES) if self.direct_fd is not None else None
+                self._close_direct()
         # numpy copies release the GIL; an mmap slice assignment would hold it for every megabyte.
         self.bounce_np = np.frombuffer(self.bounce, dtype=np.uint8) if self.bounce is not None else None
         self.start = 0  # file offset of bounce[0]
@@ -155,9 +156,15 @@ class _OpenFile:
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
-            os.close(self.fd)
-            if self.direct_fd is not None:
-                os.close(self.direct_fd)
+            try:
+                os.close(self.fd)
+            finally:
+                self._close_direct()
+
+    def _close_direct(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
 
 
 def _pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> None:

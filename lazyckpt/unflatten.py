@@ -13,6 +13,7 @@ import torch
 
 from lazyckpt.errors import CheckpointFormatError
 
+_TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -49,7 +50,8 @@ class _Decoder:
                     return handler(value)
                 except CheckpointFormatError:
                     raise
-                except (TypeError, ValueError, KeyError, AttributeError) as e:
+                except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RuntimeError,
+                        IndexError) as e:
                     raise CheckpointFormatError(f"manifest tree: malformed {tag} node {str(value)[:80]!r}: {e}") from e
         raise CheckpointFormatError(f"manifest tree: unknown node {str(node)[:80]!r}")
 
@@ -81,10 +83,10 @@ class _Decoder:
 
     @staticmethod
     def _torch_dtype(value: Any) -> torch.dtype:
-        dtype = getattr(torch, str(value), None)
-        if not isinstance(dtype, torch.dtype):
+        # A fixed table: getattr(torch, name) could import lazy submodules named by the file.
+        if not isinstance(value, str) or value not in _TORCH_DTYPE_NAMES:
             raise CheckpointFormatError(f"manifest tree: {value!r} is not a torch dtype")
-        return dtype
+        return _TORCH_DTYPE_NAMES[value]
 
     @staticmethod
     def _list(value: Any) -> list:
@@ -100,12 +102,12 @@ class _Decoder:
 
 
 def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
-    from lazyckpt.format import torch_dtype
+    from lazyckpt.format import check_shape, numel_of, torch_dtype
 
     dtype = torch_dtype(value["dtype"])
-    shape = [int(s) for s in value["shape"]]
+    shape = check_shape(value["shape"], "manifest tree: inline tensor")
     raw = bytearray(base64.b64decode(value["data"], validate=True))
-    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    expected = numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
     if len(raw) != expected:
         raise CheckpointFormatError(f"inline tensor holds {len(raw)} bytes; dtype and shape need {expected}")
     if not raw:
