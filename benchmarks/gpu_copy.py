@@ -248,11 +248,11 @@ def crossover(bench: Bench, rows: list[dict]) -> None:
 
 
 def staging(bench: Bench, rows: list[dict]) -> None:
-    from lazyckpt.plan import TensorEntry, layout, plan_pieces
+    from lazyckpt.plan import PIECE_BYTES, TensorEntry, layout, plan_pieces
     from lazyckpt.staging.cuda import CudaCopyBackend
     from lazyckpt.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
 
-    slots = [t for t in torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True).split(MiB)]
+    slots = [t for t in torch.empty(8 * PIECE_BYTES, dtype=torch.uint8, pin_memory=True).split(PIECE_BYTES)]
     workloads = {"large": make_sources([bench.large_bytes // 4] * 4),
                  "1000 small": make_sources(small_sizes(1000, odd=False))}
     backends = {"cuda (device checksum)": lambda: CudaCopyBackend(device_checksum=True),

@@ -39,7 +39,8 @@ from lazyckpt import (CheckpointConfig, LazyCheckpointer, OnBusy, PendingCheckpo
                       checkpoint_step, latest, load, restore_rng_state)
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.errors import CheckpointMismatchError
-from lazyckpt.integrations._accelerate_layout import FORMAT, differences
+from lazyckpt.integrations._accelerate_state import (FORMAT, differences, inner_optimizer, loader_generators,
+                                                     loader_position)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -157,7 +158,7 @@ class LazyCheckpointHook:
         self._optimizers = list(accelerator._optimizers)
         self._models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in accelerator._models]
         for index, optimizer in enumerate(self._optimizers):
-            inner = _inner(optimizer)
+            inner = inner_optimizer(optimizer)
             self._handles.append(inner.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(inner.register_step_post_hook(partial(self._after_optimizer_step, index)))
         for model in self._models:
@@ -290,7 +291,7 @@ class LazyCheckpointHook:
         started = time.monotonic()
         accelerator = self._accelerator
         active = [id(dl) for dl in accelerator.gradient_state.dataloader_references if dl is not None]
-        loaders = [_loader_position(dl, id(dl) in active) for dl in accelerator._dataloaders]
+        loaders = [loader_position(dl, id(dl) in active) for dl in accelerator._dataloaders]
         return _Boundary(step=self._step, rng=capture_rng_state(self._generators()), dataloaders=loaders,
                          accelerator_step=int(accelerator.step), started=started)
 
@@ -305,7 +306,7 @@ class LazyCheckpointHook:
         optimizers, immutable = [], []
         if accelerator.process_index == 0:  # replicas are identical: one process writes them, as Accelerate does
             state.update(self._shared_state())
-            optimizers, immutable = [_inner(o) for o in self._optimizers], self._models
+            optimizers, immutable = [inner_optimizer(o) for o in self._optimizers], self._models
         self._pending = self._checkpointer.save(state, step=boundary.step, optimizers=optimizers,
                                                 immutable=immutable)
         self._requested_step = boundary.step
@@ -317,7 +318,7 @@ class LazyCheckpointHook:
         scaler = getattr(accelerator, "scaler", None)
         return {
             "models": [m.state_dict() for m in self._models],
-            "optimizers": [_inner(o).state_dict() for o in self._optimizers],
+            "optimizers": [inner_optimizer(o).state_dict() for o in self._optimizers],
             "schedulers": [s.state_dict() for s in accelerator._schedulers],
             "scaler": None if scaler is None else scaler.state_dict(),
             "objects": [o.state_dict() for o in self._objects()],
@@ -328,7 +329,7 @@ class LazyCheckpointHook:
         """Class names of what is registered (and generator names): the first thing a mismatch shows."""
         return {
             "models": [type(m).__name__ for m in self._models],
-            "optimizers": [type(_inner(o)).__name__ for o in self._optimizers],
+            "optimizers": [type(inner_optimizer(o)).__name__ for o in self._optimizers],
             "schedulers": [type(getattr(s, "scheduler", s)).__name__ for s in self._accelerator._schedulers],
             "objects": [type(o).__name__ for o in self._objects()],
             "generators": sorted(self._generators()),
@@ -340,7 +341,7 @@ class LazyCheckpointHook:
     def _generators(self) -> dict[str, torch.Generator]:
         found: dict[str, torch.Generator] = {}
         for index, dl in enumerate(self._accelerator._dataloaders):
-            for k, gen in enumerate(_loader_generators(dl)):
+            for k, gen in enumerate(loader_generators(dl)):
                 found[f"dataloader{index}.{k}"] = gen
         return found
 
@@ -362,7 +363,7 @@ class LazyCheckpointHook:
         return {
             "world_size": accelerator.num_processes,
             "models": [{k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()} for m in self._models],
-            "optimizers": [[len(g["params"]) for g in _inner(o).param_groups] for o in self._optimizers],
+            "optimizers": [[len(g["params"]) for g in inner_optimizer(o).param_groups] for o in self._optimizers],
             "kinds": self._kinds(),
             "dataloaders": len(accelerator._dataloaders),
         }
@@ -372,7 +373,7 @@ class LazyCheckpointHook:
         for model, saved in zip(self._models, shared["models"]):
             model.load_state_dict(saved)
         for optimizer, saved in zip(self._optimizers, shared["optimizers"]):
-            _inner(optimizer).load_state_dict(saved)
+            inner_optimizer(optimizer).load_state_dict(saved)
         for scheduler, saved in zip(accelerator._schedulers, shared["schedulers"]):
             scheduler.load_state_dict(saved)
         scaler = getattr(accelerator, "scaler", None)
@@ -385,8 +386,6 @@ class LazyCheckpointHook:
                 dl.iteration = saved["iteration"]
             if saved["state"] is not None:
                 dl.load_state_dict(saved["state"])
-        # torch.set_rng_state/Generator.set_state ignore a tensor's storage offset, and loaded tensors are views
-        # into one file buffer: give each RNG tensor its own storage.
         restore_rng_state(own["rng"], self._generators())
         accelerator.step = own["accelerator_step"]
 
@@ -420,33 +419,6 @@ class LazyCheckpointHook:
     def __repr__(self) -> str:
         return (f"LazyCheckpointHook({self.dirpath!r}, every_n_steps={self.every_n_steps}, step={self._step}, "
                 f"registered={self._accelerator is not None}, closed={self._closed})")
-
-
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    # AcceleratedOptimizer never calls Optimizer.__init__, so torch's step hooks live on the wrapped optimizer.
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _loader_position(dl: Any, active: bool) -> dict[str, Any]:
-    """Epoch counter (and state, for stateful loaders) as of the end of the current iteration."""
-    iteration = int(getattr(dl, "iteration", 0))
-    if active and getattr(dl, "end_of_dataloader", False):
-        iteration += 1  # the last batch was yielded; the loader bumps its epoch only when the loop asks again
-    state = dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
-    return {"iteration": iteration, "state": state}
-
-
-def _loader_generators(dl: Any) -> list[torch.Generator]:
-    """The distinct generators a prepared dataloader draws from (its sampler's, the synchronized one, its own)."""
-    from accelerate.data_loader import get_sampler
-
-    candidates = [getattr(dl, "synchronized_generator", None), getattr(get_sampler(dl), "generator", None),
-                  getattr(dl, "generator", None)]
-    unique: dict[int, torch.Generator] = {}
-    for gen in candidates:
-        if isinstance(gen, torch.Generator):
-            unique.setdefault(id(gen), gen)
-    return list(unique.values())
 
 
 __all__ = ["CheckpointMismatchError", "LazyCheckpointHook"]

@@ -45,7 +45,7 @@ class CheckpointConfig:
     """Keep only the newest k committed checkpoints (None keeps all). Older ones are removed only after a newer
     one is committed, so the only committed checkpoint is never removed."""
     host_buffer_bytes: int | None = None
-    """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole chunks). A smaller
+    """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole 8 MiB slots). A smaller
     budget works: chunks cycle through the pool as the writer frees them, and the barrier waits longer."""
     copy_backend: CopyBackendName | str = CopyBackendName.AUTO
     """One of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"`` (see :class:`CopyBackendName`)."""
@@ -69,8 +69,8 @@ class CheckpointConfig:
         self.on_busy = _parse_enum(OnBusy, "on_busy", self.on_busy)
         if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
-        if self.host_buffer_bytes is not None and self.host_buffer_bytes < (1 << 20):
-            raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 1 MiB (one staging "
+        if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):
+            raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 8 MiB (one staging "
                              "slot) or None (one checkpoint)")
         if self.on_busy is OnBusy.SKIP and self.world_size > 1:
             raise ValueError("on_busy='skip' needs world_size=1: ranks could skip different steps and the "

@@ -13,14 +13,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from lazyckpt.checksum import checksum_bytes, format_checksum, tensor_bytes
+from lazyckpt.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.errors import SnapshotConsistencyError
 from lazyckpt.job import CheckpointJob
-from lazyckpt.plan import Piece, lazy_bytes
+from lazyckpt.plan import Piece, lazy_bytes, segment_runs
 from lazyckpt.staging import CopyBackend, HostBufferPool
 from lazyckpt.staging.pool import slots_for
 from lazyckpt.storage import Storage
-from lazyckpt.writer import CallTask, SharedWriter, WriteTask, _lower_thread_priority
+from lazyckpt.writer import COPIER_NICE, CallTask, SharedWriter, WriteTask, lower_thread_priority
 
 MAX_BATCH_PIECES = 64
 """Pieces handed to the backend at once (one Triton launch, one stream sync)."""
@@ -49,7 +49,7 @@ class Copier:
         self.pool = None
 
     def _loop(self) -> None:
-        _lower_thread_priority()
+        lower_thread_priority(COPIER_NICE)
         while (job := self._jobs.get()) is not None:
             writer = SharedWriter.get()
             try:
@@ -113,19 +113,23 @@ class Copier:
 
 def _checksum_staged(job: CheckpointJob, piece: Piece, staged) -> None:
     """Checksums of a staged piece, computed by the writer right before it writes the piece."""
-    _record_checksums(job, piece, [checksum_bytes(staged[s.dst_offset : s.dst_offset + s.nbytes])
-                                   for s in piece.segments])
+    _record_checksums(job, piece, [value for run in segment_runs(piece)
+                                   for value in checksum_run(staged[run[0].dst_offset : _run_end(run)])])
 
 
 def _write_eager_piece(job: CheckpointJob, piece: Piece, writer: SharedWriter, storage: Storage) -> None:
-    datas = [tensor_bytes(job.sources[seg.tensor_index])[seg.src_offset : seg.src_offset + seg.nbytes]
-             for seg in piece.segments]
+    datas = [tensor_bytes(job.sources[run[0].tensor_index])[run[0].src_offset : run[-1].src_offset + run[-1].nbytes]
+             for run in segment_runs(piece)]
 
     def checksum() -> None:
-        _record_checksums(job, piece, [checksum_bytes(d) for d in datas])
+        _record_checksums(job, piece, [value for data in datas for value in checksum_run(data)])
 
     writer.submit(WriteTask(job, storage, job.handle, _file_offset(job, piece), [memoryview(d) for d in datas],
                             prepare=checksum))
+
+
+def _run_end(run: list) -> int:
+    return run[-1].dst_offset + run[-1].nbytes
 
 
 def _file_offset(job: CheckpointJob, piece: Piece) -> int:

@@ -2,7 +2,7 @@
 
 Nothing here touches bytes. A *segment* is exactly one checksum chunk of one tensor (counted from the tensor's
 first byte), so checksums never straddle pieces; a *piece* is a run of consecutive segments, at most
-``CHUNK_BYTES`` long, that fills one host staging slot (or, for eager tensors, is written straight from their
+``PIECE_BYTES`` long, that fills one host staging slot (or, for eager tensors, is written straight from their
 private copy). Pieces never mix lazy and eager tensors, because only lazy pieces gate the barrier.
 """
 
@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazyckpt.checksum import CHUNK_BYTES
+
+PIECE_BYTES = 8 * CHUNK_BYTES
+"""Largest piece (one host staging slot, one write). Measured on 2 cores: with 1 MiB pieces the writer spent
+most of its time waiting for the GIL between small numpy calls while a Python-heavy training loop ran
+(289 MiB took 1.17 s instead of 0.26 s alone); 8 MiB pieces cut those hand-offs eightfold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +80,10 @@ def _alignment(entry: TensorEntry) -> int:
     return entry.nbytes // numel if numel else 0
 
 
-def plan_pieces(entries: list[TensorEntry], chunk_bytes: int = CHUNK_BYTES) -> list[Piece]:
-    """Cut the placed entries into pieces of at most ``chunk_bytes`` bytes made of whole segments."""
+def plan_pieces(entries: list[TensorEntry], piece_bytes: int = PIECE_BYTES,
+                chunk_bytes: int = CHUNK_BYTES) -> list[Piece]:
+    """Cut the placed entries into pieces of at most ``piece_bytes`` bytes made of whole segments (checksum
+    chunks of at most ``chunk_bytes``)."""
     pieces: list[Piece] = []
     segments: list[Segment] = []
     filled = 0
@@ -94,7 +101,7 @@ def plan_pieces(entries: list[TensorEntry], chunk_bytes: int = CHUNK_BYTES) -> l
         for chunk, src in enumerate(range(0, entry.nbytes, chunk_bytes)):
             size = min(chunk_bytes, entry.nbytes - src)
             lazy_changes = segments and entries[segments[0].tensor_index].lazy != entry.lazy
-            if filled + size > chunk_bytes or lazy_changes:
+            if filled + size > piece_bytes or lazy_changes:
                 flush()
             segments.append(Segment(index, chunk, src, size, filled))
             filled += size
@@ -105,3 +112,16 @@ def plan_pieces(entries: list[TensorEntry], chunk_bytes: int = CHUNK_BYTES) -> l
 def lazy_bytes(entries: list[TensorEntry]) -> int:
     """Bytes that go through the host staging pool (the eager ones already have a private copy)."""
     return sum(e.nbytes for e in entries if e.lazy)
+
+
+def segment_runs(piece: Piece) -> list[list[Segment]]:
+    """The piece's segments grouped into runs of one tensor's consecutive chunks (contiguous on both sides), so
+    each run is one copy and one batched checksum call."""
+    runs: list[list[Segment]] = []
+    for seg in piece.segments:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.tensor_index == seg.tensor_index and last.nbytes + last.src_offset == seg.src_offset:
+            runs[-1].append(seg)
+        else:
+            runs.append([seg])
+    return runs

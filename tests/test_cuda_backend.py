@@ -45,7 +45,7 @@ def stage(backend, tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor]
     live = [tensors[e.key] for e in placed]
     backend.on_request(live)
     sources = [backend.prepare_source(t) for t in live]
-    pieces = plan_pieces(placed)
+    pieces = plan_pieces(placed, piece_bytes=CHUNK_BYTES)
     slots = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8, pin_memory=backend.pin_memory()) for _ in pieces]
     sums = backend.copy_pieces(sources, pieces, slots)
     return [slot[: p.nbytes].clone() for p, slot in zip(pieces, slots)], sums
@@ -59,7 +59,7 @@ def assert_same_staging(backend, *, returns_checksums: bool) -> None:
     if not returns_checksums:
         assert got_sums is None, "without device checksums the writer checksums the staged bytes"
         return
-    pieces = plan_pieces(layout(entries_of(tensors_on("cpu")))[0])
+    pieces = plan_pieces(layout(entries_of(tensors_on("cpu")))[0], piece_bytes=CHUNK_BYTES)
     expected = [[checksum_bytes(buf[s.dst_offset : s.dst_offset + s.nbytes].numpy()) for s in piece.segments]
                 for piece, buf in zip(pieces, want_bytes, strict=True)]
     assert got_sums == expected
@@ -112,7 +112,7 @@ def test_copy_stream_waits_for_the_update_queued_before_the_request(make_backend
         x.add_(1.0)  # "optimizer.step()"
         entries, _ = layout([TensorEntry("x", "F32", tuple(x.shape), x.numel() * 4, lazy=True)])
         backend.on_request([x])
-    pieces = plan_pieces(entries)
+    pieces = plan_pieces(entries, piece_bytes=CHUNK_BYTES)
     slots = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)]
     sums = backend.copy_pieces([backend.prepare_source(x)], pieces, slots)
     staged = slots[0].view(torch.float32)

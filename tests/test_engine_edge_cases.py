@@ -106,7 +106,7 @@ def test_a_failure_between_copy_and_submit_does_not_leak_pool_slots(tmp_path):
     _record_checksums' zip(strict=True)) leaks every slot of the batch. The pool is reused, so with a 1-slot
     budget the next checkpoint's copier blocks in pool.acquire() forever and wait_staged() never returns."""
     backend = _BadChecksumsOnce()
-    ckpt = LazyCheckpointer(tmp_path, backend=backend, host_buffer_bytes=1 << 20, fsync=False)
+    ckpt = LazyCheckpointer(tmp_path, backend=backend, host_buffer_bytes=8 << 20, fsync=False)
     w = torch.nn.Parameter(torch.ones(1024))
     opt = torch.optim.SGD([w], lr=0.1)
     first = ckpt.save({"w": w}, step=1, optimizers=[opt])

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("triton")
 
 from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes  # noqa: E402
-from lazyckpt.plan import TensorEntry, layout, plan_pieces  # noqa: E402
+from lazyckpt.plan import PIECE_BYTES, TensorEntry, layout, plan_pieces  # noqa: E402
 from lazyckpt.staging.cpu import CpuCopyBackend  # noqa: E402
 from lazyckpt.staging.triton import TritonCopyBackend  # noqa: E402
 from lazyckpt.triton_kernels import (  # noqa: E402
@@ -302,7 +302,8 @@ def make_job(tensors: dict[str, torch.Tensor], eager: set[str] = frozenset()):
     ]
     placed, _ = layout(entries)
     by_key = {k: t.to(DEVICE) for k, t in tensors.items()}
-    return placed, plan_pieces(placed), [by_key[e.key] if e.lazy else None for e in placed]
+    # Pieces of one chunk each, so every test stages several pieces.
+    return placed, plan_pieces(placed, piece_bytes=CHUNK_BYTES), [by_key[e.key] if e.lazy else None for e in placed]
 
 
 def stage(backend, placed, pieces, tensors, lazy_only=True):
@@ -310,7 +311,7 @@ def stage(backend, placed, pieces, tensors, lazy_only=True):
     backend.on_request([t for t in tensors if t is not None])
     sources = [backend.prepare_source(t) if t is not None else None for t in tensors]
     pieces = [p for p in pieces if p.lazy] if lazy_only else pieces
-    slots = [torch.zeros(CHUNK_BYTES, dtype=torch.uint8, pin_memory=backend.pin_memory()) for _ in pieces]
+    slots = [torch.zeros(PIECE_BYTES, dtype=torch.uint8, pin_memory=backend.pin_memory()) for _ in pieces]
     sums = backend.copy_pieces(sources, pieces, slots)
     return [slot[: p.nbytes].clone() for p, slot in zip(pieces, slots)], sums
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lazyckpt.plan import Piece
+from lazyckpt.plan import Piece, segment_runs
 from lazyckpt.staging.base import CopyBackend
 
 
@@ -23,7 +23,8 @@ class CpuCopyBackend(CopyBackend):
         self, sources: Sequence[torch.Tensor], pieces: Sequence[Piece], slots: Sequence[torch.Tensor]
     ) -> None:
         for piece, slot in zip(pieces, slots):
-            for seg in piece.segments:
-                src = sources[seg.tensor_index][seg.src_offset : seg.src_offset + seg.nbytes]
-                slot[seg.dst_offset : seg.dst_offset + seg.nbytes].copy_(src)
+            for run in segment_runs(piece):  # one copy per run of a tensor's consecutive chunks
+                first, nbytes = run[0], sum(seg.nbytes for seg in run)
+                src = sources[first.tensor_index][first.src_offset : first.src_offset + nbytes]
+                slot[first.dst_offset : first.dst_offset + nbytes].copy_(src)
         return None

@@ -6,7 +6,7 @@ import queue
 
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.plan import PIECE_BYTES
 
 
 class HostBufferPool:
@@ -16,7 +16,7 @@ class HostBufferPool:
     memory stays at the budget however large the checkpoint is.
     """
 
-    def __init__(self, num_slots: int, *, slot_bytes: int = CHUNK_BYTES, pin: bool = False) -> None:
+    def __init__(self, num_slots: int, *, slot_bytes: int = PIECE_BYTES, pin: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots!r} must be at least 1")
         self.slot_bytes = slot_bytes
@@ -52,7 +52,7 @@ class HostBufferPool:
         return self._free.qsize() == self.num_slots
 
 
-def slots_for(budget_bytes: int | None, lazy_bytes: int, slot_bytes: int = CHUNK_BYTES) -> int:
+def slots_for(budget_bytes: int | None, lazy_bytes: int, slot_bytes: int = PIECE_BYTES) -> int:
     """How many slots a pool needs: one checkpoint's lazy bytes, capped by the budget, at least one."""
     wanted = -(-lazy_bytes // slot_bytes)
     if budget_bytes is not None:

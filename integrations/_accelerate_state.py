@@ -1,4 +1,4 @@
-"""Pure checks of a LazyCheckpointHook checkpoint against this run's layout (no Accelerate import)."""
+"""What LazyCheckpointHook reads from Accelerate objects, and pure checks of a checkpoint against this run."""
 
 from __future__ import annotations
 
@@ -59,3 +59,30 @@ def _model_differences(name: str, state: dict[str, torch.Tensor], shapes: dict[s
 def _few(keys: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    # AcceleratedOptimizer never calls Optimizer.__init__, so torch's step hooks live on the wrapped optimizer.
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def loader_position(dl: Any, active: bool) -> dict[str, Any]:
+    """Epoch counter (and state, for stateful loaders) as of the end of the current iteration."""
+    iteration = int(getattr(dl, "iteration", 0))
+    if active and getattr(dl, "end_of_dataloader", False):
+        iteration += 1  # the last batch was yielded; the loader bumps its epoch only when the loop asks again
+    state = dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
+    return {"iteration": iteration, "state": state}
+
+
+def loader_generators(dl: Any) -> list[torch.Generator]:
+    """The distinct generators a prepared dataloader draws from (its sampler's, the synchronized one, its own)."""
+    from accelerate.data_loader import get_sampler
+
+    candidates = [getattr(dl, "synchronized_generator", None), getattr(get_sampler(dl), "generator", None),
+                  getattr(dl, "generator", None)]
+    unique: dict[int, torch.Generator] = {}
+    for gen in candidates:
+        if isinstance(gen, torch.Generator):
+            unique.setdefault(id(gen), gen)
+    return list(unique.values())
