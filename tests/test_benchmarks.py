@@ -1,0 +1,106 @@
+"""benchmarks/compare.py: the quick benchmark runs end to end on a tiny model, its JSON has the documented
+schema, every available method's checkpoint was loaded back and matched, and a torn snapshot is caught.
+
+No timing assertions: timings on a shared CI machine mean nothing; the schema and the verification do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+METRICS = ("stall_ms", "in_loop_overhead_ms", "e2e_slowdown_pct", "time_to_durable_s", "extra_rss_mb",
+           "restore_s", "raw_write_s")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out, plots, work = tmp / "out.json", tmp / "plots", tmp / "work"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "compare.py"), "--quick", "--params-m", "0.3",
+                           "--json", str(out), "--plots", str(plots), "--workdir", str(work)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        return json.load(f), proc.stdout, plots, work
+
+
+@pytest.mark.slow
+def test_quick_json_has_the_schema(quick):
+    data, _, _, _ = quick
+    assert set(data) >= {"machine", "config", "methods"}
+    machine = data["machine"]
+    assert machine["logical_cores"] >= 1 and machine["memory_gib"] > 0 and machine["disk_write_mb_s"] > 0
+    config = data["config"]
+    assert config["quick"] is True and config["every"] >= 1 and config["state_bytes"] > 0
+    keys = [m["key"] for m in data["methods"]]
+    assert len(keys) == len(set(keys)) == 16, keys
+    for method in data["methods"]:
+        assert {"name", "verified", "available"} <= set(method), method
+        if not method["available"]:
+            assert method["unavailable"], method  # says why
+            continue
+        if method["kind"] == "baseline":
+            assert method["step_ms"]["median"] > 0
+            continue
+        for metric in METRICS:
+            value = method[metric]
+            assert value is not None and value["min"] <= value["median"] <= value["max"], (method["key"], metric)
+
+
+@pytest.mark.slow
+def test_every_available_method_verified_its_checkpoint(quick):
+    data, stdout, _, _ = quick
+    available = [m for m in data["methods"] if m["available"]]
+    assert {m["key"] for m in available} >= {"none", "raw", "torch_save", "dcp_thread", "dcp_stager", "lazyckpt"}
+    failed = {m["key"]: m.get("errors") or m.get("verify_problems") for m in available if m["verified"] is not True}
+    assert not failed, failed
+    assert "| lazyckpt LazyCheckpointer | yes |" in stdout  # the markdown table on stdout
+
+
+@pytest.mark.slow
+def test_plots_written_and_workdir_cleaned(quick):
+    _, _, plots, work = quick
+    for name in ("stall_per_method.png", "lazyckpt_timeline.png"):
+        with open(plots / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    assert os.path.isdir(work) and os.listdir(work) == []
+
+
+def test_a_torn_snapshot_is_reported_as_fail(tmp_path, monkeypatch):
+    """A method that writes the state of a later step must come out verified=False, not as a fast result."""
+    monkeypatch.syspath_prepend(BENCH)
+    import runner
+    from floors import RawFloor
+    from workload import Workload
+
+    class Stale(RawFloor):
+        key = "stale"
+
+        def request(self, step):  # no copy now: the bytes are taken only at finish(), after more updates
+            self.stale_step = step
+
+        def before_step(self):
+            pass
+
+        def finish(self):
+            RawFloor.request(self, self.stale_step)
+            RawFloor.finish(self)
+
+    monkeypatch.setitem(runner.METHODS, "stale", Stale)
+    w = Workload(params_m=0.05, batch=1, seq=8, every=2, checkpoints=1)
+    runner.make_reference(w, str(tmp_path / "ref.pt"))
+    spec = {"workload": dataclasses.asdict(w), "method": "stale", "repeat": 0, "dirpath": str(tmp_path / "run"),
+            "reference": str(tmp_path / "ref.pt")}
+    result = runner.execute(spec)
+    assert result["training_matches_reference"] is True
+    assert result["checkpoint_matches"] is False and result["verified"] is False
+    assert "differ from the state at that step" in result["verify_problems"][0]
+    assert not os.path.exists(spec["dirpath"])  # the run cleaned up after itself
