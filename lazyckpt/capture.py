@@ -9,6 +9,7 @@ orders after their copy. Everything else (buffers mutated by forward, RNG states
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,7 +20,7 @@ from lazyckpt.checksum import num_chunks
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.format import PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, step_dirname
 from lazyckpt.job import CheckpointJob, CheckpointStats
-from lazyckpt.plan import TensorEntry, layout, plan_pieces
+from lazyckpt.plan import Piece, TensorEntry, layout, plan_pieces
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
@@ -68,8 +69,7 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
                            lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
                for key, t in leaves]
-    placed, data_bytes = layout(entries)
-    header = build_header(placed, dcp_sharding_metadata(placed))
+    placed, data_bytes, header, pieces = _plan(tuple(entries))
     _check_free_space(storage, dirpath, len(header) + data_bytes + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
     sources, versions = [], {}
@@ -84,11 +84,20 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     return CheckpointJob(
         step=step, dirpath=dirpath, partial_dir=os.path.join(dirpath, name + PARTIAL_SUFFIX),
         final_dir=os.path.join(dirpath, name), rank=config.rank, world_size=config.world_size, tree=tree,
-        entries=placed, pieces=plan_pieces(placed), sources=sources, versions=versions, deferred=deferred,
+        entries=list(placed), pieces=list(pieces), sources=sources, versions=versions, deferred=deferred,
         header=header, checksums={e.key: [""] * num_chunks(e.nbytes) for e in placed},
         stats=CheckpointStats(step=step, nbytes=len(header) + data_bytes,
                               lazy_bytes=sum(e.nbytes for e in placed if e.lazy)),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(entries: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...]]:
+    """Layout, header and pieces of a set of tensors. Cached: a training loop checkpoints the same tensors with
+    the same shapes every time, and rebuilding the plan was most of ``save()``'s remaining time."""
+    placed, data_bytes = layout(list(entries))
+    header = build_header(placed, dcp_sharding_metadata(placed))
+    return tuple(placed), data_bytes, header, tuple(plan_pieces(placed))
 
 
 def _check_free_space(storage: Storage, dirpath: str, needed: int, step: int) -> None:
