@@ -68,7 +68,7 @@ def train(dirpath: str, steps: int, every: int, crash_at: int | None, resume: bo
             if step == crash_at:
                 print(f"crashing on purpose at step {step}", flush=True)
                 os._exit(1)             # no clean-up at all, like a killed job
-        stalls = [s.stall_s * 1e3 for s in ckpt.stats]
+    stalls = [s.stall_s * 1e3 for s in ckpt.stats]  # after close(): the last checkpoint is committed too
     print(f"trained to step {steps}; {len(stalls)} checkpoints committed by this run, "
           f"median stall {sorted(stalls)[len(stalls) // 2] if stalls else 0:.2f} ms")
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
