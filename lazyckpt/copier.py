@@ -81,7 +81,7 @@ class Copier:
         wanted = slots_for(self.budget_bytes, nbytes)
         # The previous job is fully written before a new one starts (one in flight), so the pool is idle here.
         if self.pool is None or self.pool.num_slots < wanted:
-            self.pool = None
+            self.pool = None  # free the smaller pool before allocating the larger one
             self.pool = HostBufferPool(wanted, pin=self.backend.pin_memory())
         return self.pool
 

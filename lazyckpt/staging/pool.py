@@ -47,10 +47,6 @@ class HostBufferPool:
         start = index * self.slot_bytes
         return self._memory[start : start + self.slot_bytes]
 
-    def idle(self) -> bool:
-        """True when every slot is free (nothing staged is waiting for the writer)."""
-        return self._free.qsize() == self.num_slots
-
 
 def slots_for(budget_bytes: int | None, lazy_bytes: int, slot_bytes: int = PIECE_BYTES) -> int:
     """How many slots a pool needs: one checkpoint's lazy bytes, capped by the budget, at least one."""
