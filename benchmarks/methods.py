@@ -254,9 +254,9 @@ def _timed_storage(**options: Any) -> Any:
             return self._timed("manifest", lambda: super(TimedStorage, self).write_atomic(path, data, sync=sync),
                                len(data))
 
-        def rename_dir(self, src, dst, *, sync):
+        def rename(self, src, dst, *, sync):
             match = re.search(r"(\d+)$", os.path.basename(os.path.normpath(dst)))
-            return self._timed("rename", lambda: super(TimedStorage, self).rename_dir(src, dst, sync=sync),
+            return self._timed("rename", lambda: super(TimedStorage, self).rename(src, dst, sync=sync),
                                step=int(match.group(1)) if match else None)
 
     return TimedStorage()

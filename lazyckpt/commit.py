@@ -32,7 +32,7 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
               f"the other {job.world_size - 1} rank(s) to make their files in {job.partial_dir} durable")
     top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
     storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), _dumps(top), sync=sync)
-    storage.rename_dir(job.partial_dir, job.final_dir, sync=sync)
+    storage.rename(job.partial_dir, job.final_dir, sync=sync)
 
 
 def _dumps(doc: dict) -> bytes:

@@ -104,7 +104,7 @@ class LazyCheckpointer:
         self.dirpath = normalize_dirpath(dirpath)
         self.storage: Storage = storage if storage is not None else LocalStorage()
         self.storage.make_dir(self.dirpath)
-        self._lock = DirectoryLock(self.dirpath, self.config.rank)
+        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
         if self.config.rank == 0:
             remove_partials(self.dirpath, self.storage)
         self._backend: CopyBackend | None = backend
