@@ -34,7 +34,7 @@ from report import aggregate, check_targets, markdown_table, targets_table, writ
 from workload import MiB, Workload, median, raw_write_seconds  # noqa: E402
 
 FULL = {"params_m": 25.0, "batch": 4, "seq": 32, "every": 5, "checkpoints": 6, "repeats": 3}
-QUICK = {"params_m": 4.0, "batch": 2, "seq": 16, "every": 2, "checkpoints": 2, "repeats": 1}
+QUICK = {"params_m": 4.0, "batch": 2, "seq": 16, "every": 3, "checkpoints": 2, "repeats": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "of state with AdamW; quick: 4)")
     p.add_argument("--batch", type=int, help="sequences per step (default 4)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 32)")
-    p.add_argument("--threads", type=int, default=1, help="training threads, torch.set_num_threads (default 1)")
+    p.add_argument("--threads", type=int, help="training threads, torch.set_num_threads (default: torch's own "
+                   "default on this machine, as users run it; 1 isolates the training thread on one core)")
     p.add_argument("--every", type=int, help="checkpoint every k optimizer steps (default 5; 1 is allowed)")
     p.add_argument("--checkpoints", type=int, help="measured checkpoints per run (default 6)")
     p.add_argument("--repeats", type=int, help="runs per method, interleaved (default 3)")
@@ -63,9 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.threads is None:
+        args.threads = default_threads()
     if args.every < 1 or args.checkpoints < 1 or args.repeats < 1 or args.threads < 1:
         p.error("--every, --checkpoints, --repeats and --threads must be >= 1")
     return args
+
+
+def default_threads() -> int:
+    """torch's default intra-op thread count here (it honours ``OMP_NUM_THREADS`` when the user set it)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def log(message: str) -> None:

@@ -32,7 +32,8 @@ def aggregate(methods: list[Any], runs: list[dict[str, Any]], state_bytes: int,
             loops = [r["loop_s"] for r in ok]
             base[driver] = {"loop_s": median(loops), "e2e_s": median([r["e2e_s"] for r in ok]),
                             "peak_rss_bytes": median([r["peak_rss_bytes"] for r in ok]),
-                            "loop_half_range_s": (max(loops) - min(loops)) / 2}
+                            "loop_half_range_s": (max(loops) - min(loops)) / 2,
+                            "quiet_step_s": median([q for r in ok if (q := _quiet(r)) is not None] or [math.nan])}
     out = []
     for method in methods:
         mine = by_key.get(method.key, [])
@@ -50,6 +51,9 @@ def aggregate(methods: list[Any], runs: list[dict[str, Any]], state_bytes: int,
                      repeats=len(mine), errors=errors, verify_problems=problems)
         b = base.get(method.driver)
         entry["step_ms"] = spread([r["step_ms_median"] for r in good])
+        entry["quiet_step_ms"] = spread([1e3 * q for r in good if (q := _quiet(r)) is not None])
+        if b is not None and not math.isnan(b["quiet_step_s"]):
+            entry["quiet_step_x"] = spread([q / b["quiet_step_s"] for r in good if (q := _quiet(r)) is not None])
         entry["loop_s"] = spread([r["loop_s"] for r in good])
         entry["drain_s"] = spread([r["drain_s"] for r in good])
         entry["peak_rss_mb"] = spread([r["peak_rss_bytes"] / MiB for r in good])
@@ -91,6 +95,12 @@ def aggregate(methods: list[Any], runs: list[dict[str, Any]], state_bytes: int,
     return out
 
 
+def _quiet(run: dict[str, Any]) -> float | None:
+    """A run's median quiet step (see ``runner.quiet_step_durations``); None when it had none."""
+    steps = run.get("quiet_step_s")
+    return median(steps) if steps else None
+
+
 def _m(entry: dict | None, name: str) -> float | None:
     value = (entry or {}).get(name)
     return value["median"] if isinstance(value, dict) else None
@@ -120,6 +130,7 @@ def check_targets(entries: list[dict[str, Any]], state_bytes: int) -> dict[str, 
             _target("time to durable <= 1.3x the raw write of the same bytes", durable,
                     _mul(_m(e, "raw_write_s"), 1.3)),
             _target("peak extra RSS <= 1.2x the state", _m(e, "extra_rss_mb"), 1.2 * state_bytes / MiB),
+            _target("quiet step <= 1.03x the no-checkpoint loop's", _m(e, "quiet_step_x"), 1.03),
         ]
         out[e["key"]] = rows
     return out
@@ -169,7 +180,7 @@ def _cell(entry: dict, name: str, fmt: str, scale: float = 1.0) -> str:
 def markdown_table(entries: list[dict[str, Any]]) -> str:
     head = ["method", "verified", "stall ms/ckpt", "in-loop overhead ms/ckpt", "end-to-end slowdown %",
             "time to durable s", "raw write+fsync s", "peak extra RSS MB", "extra RSS / state", "restore s",
-            "step ms"]
+            "step ms", "quiet step ms", "quiet step / baseline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         if not e.get("available"):
@@ -182,7 +193,8 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
         row = [e["name"], verified, _cell(e, "stall_ms", ".1f"), _cell(e, "in_loop_overhead_ms", ".0f"),
                _cell(e, "e2e_slowdown_pct", "+.1f"), _cell(e, "time_to_durable_s", ".2f"),
                _cell(e, "raw_write_s", ".2f"), _cell(e, "extra_rss_mb", ".0f"), _cell(e, "extra_rss_x_state", ".2f"),
-               _cell(e, "restore_s", ".2f"), _cell(e, "step_ms", ".0f")]
+               _cell(e, "restore_s", ".2f"), _cell(e, "step_ms", ".0f"), _cell(e, "quiet_step_ms", ".0f"),
+               _cell(e, "quiet_step_x", ".3f")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

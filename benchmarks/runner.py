@@ -297,6 +297,7 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
         "drain_s": rec.finish_end - rec.end[last],
         "step_ms_median": 1e3 * median(durations),
         "step_s": durations,
+        "quiet_step_s": quiet_step_durations(w, rec, durable),
         "stall_s": rec.stall_per_checkpoint(method.own_stalls()) if method.kind != "baseline" else [],
         "durable_s": [durable[s] for s in ckpts if s in durable],
         "peak_rss_bytes": rec.peak_rss,
@@ -307,6 +308,23 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
         "engine_stats": [dataclasses.asdict(s) for s in engine if s.step in ckpts] if engine else None,
         "engine_warmup_stats": [dataclasses.asdict(s) for s in engine if s.step not in ckpts] if engine else None,
     }
+
+
+def quiet_step_durations(w: Workload, rec: Recorder, durable: dict[int, float]) -> list[float]:
+    """Durations of the measured steps far from any checkpoint: a step that neither requests one nor follows a
+    request, and starts after the previous checkpoint is durable (where the method reports when). A slow quiet
+    step is a cost the method leaves behind between checkpoints (e.g. a thread that keeps competing for cores).
+    The same steps of the no-checkpoint baseline are its yardstick."""
+    out = []
+    for step in range(w.first_measured_step, w.total_steps + 1):
+        if w.is_checkpoint(step) or w.is_checkpoint(step - 1):
+            continue
+        previous = max(c for c in range(w.every, step) if w.is_checkpoint(c))
+        if previous in durable and previous in rec.request_at and \
+                rec.request_at[previous] + durable[previous] > rec.start[step]:
+            continue
+        out.append(rec.end[step] - rec.start[step])
+    return out
 
 
 def check_and_restore(w: Workload, method: Method, run: Run, reference_path: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ class Workload:
     batch: int = 8
     seq: int = 64
     threads: int = 1
-    """``torch.set_num_threads`` of the training process (background work gets the other cores)."""
+    """``torch.set_num_threads`` of the training process (``compare.py`` defaults to torch's own default)."""
     every: int = 5
     """Checkpoint every ``every`` optimizer steps."""
     checkpoints: int = 6

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 from functools import partial
-import threading
 import time
 from collections.abc import Callable
 
@@ -20,7 +19,8 @@ from lazyckpt.plan import Piece, lazy_bytes, segment_runs
 from lazyckpt.staging import CopyBackend, HostBufferPool
 from lazyckpt.staging.pool import slots_for
 from lazyckpt.storage import Storage
-from lazyckpt.writer import COPIER_NICE, CallTask, SharedWriter, WriteTask, lower_thread_priority
+from lazyckpt.threads import COPIER_NICE, start_background_thread
+from lazyckpt.writer import CallTask, SharedWriter, WriteTask
 
 MAX_BATCH_PIECES = 64
 """Pieces handed to the backend at once (one Triton launch, one stream sync)."""
@@ -37,8 +37,7 @@ class Copier:
         self.finalize = finalize
         self.pool: HostBufferPool | None = None
         self._jobs: queue.SimpleQueue[CheckpointJob | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="lazyckpt-copier", daemon=True)
-        self._thread.start()
+        self._thread = start_background_thread(self._loop, name="lazyckpt-copier", nice=COPIER_NICE)
 
     def submit(self, job: CheckpointJob) -> None:
         self._jobs.put(job)
@@ -49,7 +48,6 @@ class Copier:
         self.pool = None
 
     def _loop(self) -> None:
-        lower_thread_priority(COPIER_NICE)
         while (job := self._jobs.get()) is not None:
             writer = SharedWriter.get()
             try:

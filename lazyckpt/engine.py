@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -37,6 +36,7 @@ from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
 from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.threads import start_background_thread
 from lazyckpt.writer import CallTask, SharedWriter
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class LazyCheckpointer:
         if job.world_size == 1:
             self._commit(job)
         else:
-            threading.Thread(target=self._commit, args=(job,), name="lazyckpt-commit", daemon=True).start()
+            start_background_thread(self._commit, job, name="lazyckpt-commit")
 
     def _commit(self, job: CheckpointJob) -> None:
         try:

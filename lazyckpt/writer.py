@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lazyckpt.storage import Buffer, Storage
+from lazyckpt.threads import WRITER_NICE, start_background_thread
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,6 @@ Task = WriteTask | CallTask
 
 def run_writer(tasks: queue.SimpleQueue, max_gather_bytes: int) -> None:
     """The writer thread's body: run tasks until a ``None`` sentinel arrives."""
-    lower_thread_priority(WRITER_NICE)
     carry: Task | None = None
     while True:
         task = carry if carry is not None else tasks.get()
@@ -114,21 +114,6 @@ def _run_call(task: CallTask) -> None:
         task.job.fail(e)
 
 
-WRITER_NICE = 10
-COPIER_NICE = 4
-"""Background threads yield the CPU to the training thread (nice 0); the copier outranks the writer because
-the barrier waits on the copy, not on the write (measured on 2 cores: a copier and a writer of equal priority
-share a core and the staging copy of 289 MiB stretched over a whole ~330 ms step)."""
-
-
-def lower_thread_priority(nice: int = WRITER_NICE) -> None:
-    """Give the calling thread a nice value (Linux threads have their own); a no-op where unsupported."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError):
-        pass
-
-
 class SharedWriter:
     """The process-wide writer; created on first use and re-created after ``fork``."""
 
@@ -138,9 +123,8 @@ class SharedWriter:
     def __init__(self, max_gather_bytes: int = 8 << 20) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._pid = os.getpid()
-        self._thread = threading.Thread(target=run_writer, args=(self._tasks, max_gather_bytes),
-                                        name="lazyckpt-writer", daemon=True)
-        self._thread.start()
+        self._thread = start_background_thread(run_writer, self._tasks, max_gather_bytes, name="lazyckpt-writer",
+                                               nice=WRITER_NICE)
 
     @classmethod
     def get(cls) -> SharedWriter:

@@ -104,3 +104,18 @@ def test_a_torn_snapshot_is_reported_as_fail(tmp_path, monkeypatch):
     assert result["checkpoint_matches"] is False and result["verified"] is False
     assert "differ from the state at that step" in result["verify_problems"][0]
     assert not os.path.exists(spec["dirpath"])  # the run cleaned up after itself
+
+
+def test_quiet_steps_skip_checkpoint_steps_their_successors_and_steps_before_durability(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import runner
+    from workload import Workload
+
+    w = Workload(params_m=0.05, every=4, checkpoints=2)  # measured steps 5..15; checkpoints at 4 (warm-up), 8 and 12
+    rec = runner.Recorder(w)
+    for step in range(1, w.total_steps + 1):
+        rec.start[step], rec.end[step] = float(step), step + 0.01 * step
+    rec.request_at = {8: 8.5, 12: 12.5}
+    durable = {8: 2.0, 12: 0.1}  # step 8's checkpoint is durable at 10.5: step 10 is not quiet, step 11 is
+    quiet = runner.quiet_step_durations(w, rec, durable)
+    assert quiet == pytest.approx([0.01 * s for s in (6, 7, 11, 14, 15)])
