@@ -29,6 +29,16 @@ class OnBusy(str, enum.Enum):
     """Drop the new request with a warning; its handle's ``wait()`` returns ``None``."""
 
 
+class OnOlderStep(str, enum.Enum):
+    """What ``save()`` does with a step lower than the newest committed one (e.g. after resuming from an older
+    checkpoint), whose newer checkpoints ``latest()`` would otherwise keep returning."""
+
+    ERROR = "error"
+    """Refuse it with :class:`~lazyckpt.errors.StepOrderError` naming the newer steps."""
+    MOVE_ASIDE = "move_aside"
+    """Rename every newer checkpoint to ``step-N.superseded`` (kept, never read by ``latest()``) and save."""
+
+
 def _parse_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
     try:
         return enum_cls(value)
@@ -63,10 +73,13 @@ class CheckpointConfig:
     """Extra free space to keep on the file system beyond the checkpoint's own bytes."""
     fsync: bool = True
     """Make every file durable before commit. Turn off only for throwaway runs (tests of speed, tmpfs)."""
+    on_older_step: OnOlderStep | str = OnOlderStep.ERROR
+    """``"error"`` or ``"move_aside"`` (see :class:`OnOlderStep`)."""
 
     def __post_init__(self) -> None:
         self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
         self.on_busy = _parse_enum(OnBusy, "on_busy", self.on_busy)
+        self.on_older_step = _parse_enum(OnOlderStep, "on_older_step", self.on_older_step)
         if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):

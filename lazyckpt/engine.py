@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from lazyckpt.capture import capture_job
-from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
+from lazyckpt.config import CheckpointConfig, OnBusy, OnOlderStep, normalize_dirpath
 from lazyckpt.copier import Copier
-from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.errors import StepAlreadyCommittedError, StepOrderError
 from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
-from lazyckpt.housekeeping import DirectoryLock, remove_partials
+from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
 from lazyckpt.job import CheckpointJob
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.retention import committed_steps, steps_to_purge
@@ -122,6 +122,8 @@ class LazyCheckpointer:
         """The newest committed checkpoints' :class:`~lazyckpt.CheckpointStats` (a bounded window, iterable and
         indexable) and ``stats.total``, running totals over all of them."""
         self._writer = SharedWriter.get()
+        self._newest_committed: int | None = None
+        """Cache of the newest committed step (None: list the directory when next needed)."""
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -142,6 +144,7 @@ class LazyCheckpointer:
 
         Raises:
             StepAlreadyCommittedError: ``step`` is committed already or in flight.
+            StepOrderError: ``step`` is lower than the newest committed step and ``on_older_step="error"``.
             UnsupportedValueError: a value in ``state`` has no safe encoding (the message names its path).
             OSError: not enough free space (``ENOSPC``), or a background failure of an earlier checkpoint.
         """
@@ -160,6 +163,7 @@ class LazyCheckpointer:
                               "being written (on_busy='skip')", RuntimeWarning, stacklevel=2)
                 return PendingCheckpoint(self, None, step)
             self._drain(self._job)
+        self._check_step_order(step)
         job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
@@ -191,6 +195,7 @@ class LazyCheckpointer:
         if self.in_flight is not None and self.in_flight.step == step:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
         path = os.path.join(self.dirpath, step_dirname(step))
+        self._newest_committed = None
         doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
         try:
             self.storage.rename(path, doomed, sync=False)
@@ -235,6 +240,26 @@ class LazyCheckpointer:
         if self._pid != os.getpid():
             raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) was created in process {self._pid}; its threads "
                                f"do not exist in this forked process {os.getpid()}: create a new one here")
+
+    def _check_step_order(self, step: int) -> None:
+        """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
+        checkpoint of the run that is training now."""
+        if self._newest_committed is not None and step > self._newest_committed:
+            return
+        committed = committed_steps(self.dirpath, self.storage)
+        newer = sorted(s for s in committed if s > step)
+        self._newest_committed = max(committed, default=None)
+        if not newer:
+            return
+        if self.config.on_older_step is OnOlderStep.ERROR:
+            raise StepOrderError(
+                f"step {step} is lower than the committed step(s) {newer} in {self.dirpath}, which latest() would "
+                "keep returning; to resume from an older checkpoint pass on_older_step='move_aside' (renames the "
+                "newer ones to step-N.superseded) or remove() them first")
+        if self.config.rank == 0:
+            for newer_step in newer:
+                move_aside(self.dirpath, newer_step, self.storage)
+        self._newest_committed = None
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
@@ -308,6 +333,8 @@ class LazyCheckpointer:
         """The commit thread, once ``job`` is visible: stats, log, retention (rank 0)."""
         job.stats.flush_s = time.monotonic() - job.requested_at
         self.stats.append(job.stats)
+        if self._newest_committed is not None:
+            self._newest_committed = max(self._newest_committed, job.step)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
         if job.rank == 0:
