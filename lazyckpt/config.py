@@ -13,7 +13,7 @@ class CopyBackendName(str, enum.Enum):
     AUTO = "auto"
     """``cuda`` when any tensor is on a GPU and CUDA is available, else ``cpu``."""
     CPU = "cpu"
-    """A background thread copies chunk by chunk (torch ``copy_`` releases the GIL)."""
+    """A background thread copies piece by piece (torch ``copy_`` releases the GIL)."""
     CUDA = "cuda"
     """``copy_(non_blocking=True)`` on a dedicated stream ordered after the compute stream by an event."""
     TRITON = "triton"
@@ -56,7 +56,7 @@ class CheckpointConfig:
     one is committed, so the only committed checkpoint is never removed."""
     host_buffer_bytes: int | None = None
     """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole 8 MiB slots). A smaller
-    budget works: chunks cycle through the pool as the writer frees them, and the barrier waits longer."""
+    budget works: pieces cycle through the pool's slots as the writer frees them, and the barrier waits longer."""
     copy_backend: CopyBackendName | str = CopyBackendName.AUTO
     """One of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"`` (see :class:`CopyBackendName`)."""
     on_busy: OnBusy | str = OnBusy.WAIT
