@@ -248,7 +248,7 @@ class LazyCheckpointer:
             return
         committed = committed_steps(self.dirpath, self.storage)
         newer = sorted(s for s in committed if s > step)
-        self._newest_committed = max(committed, default=None)
+        self._newest_committed = max(committed, default=-1)
         if not newer:
             return
         if self.config.on_older_step is OnOlderStep.ERROR:
