@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from lazyckpt._version import __version__
-from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy
+from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy, OnOlderStep
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError,
                              CheckpointNotFoundError,
                              DirectoryLockedError, SnapshotConsistencyError, StepAlreadyCommittedError,
-                             UnsupportedValueError)
+                             StepOrderError, UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.rng import capture_rng_state, restore_rng_state
@@ -43,7 +43,8 @@ __all__ = sorted([
     "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
-    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "PendingCheckpoint", "SnapshotConsistencyError",
-    "StepAlreadyCommittedError", "UnsupportedValueError", "__version__", "capture_rng_state", "checkpoint_step",
+    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
+    "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
+    "__version__", "capture_rng_state", "checkpoint_step",
     "latest", "load", "restore_rng_state", "verify",
 ])

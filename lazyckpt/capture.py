@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from lazyckpt.checksum import num_chunks
+from lazyckpt.checksum import format_checksum, num_chunks
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.format import PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, step_dirname
 from lazyckpt.job import CheckpointJob, CheckpointStats
@@ -69,8 +70,9 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
                            lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
                for key, t in leaves]
-    placed, data_bytes, header, pieces = _plan(tuple(entries))
-    _check_free_space(storage, dirpath, len(header) + data_bytes + config.min_free_bytes, step)
+    placed, data_bytes, header, pieces, tensors_doc_bytes = _plan(tuple(entries))
+    needed = len(header) + data_bytes + manifest_bytes(tree, tensors_doc_bytes, config.world_size)
+    _check_free_space(storage, dirpath, needed + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
     sources, versions = [], {}
     for index, entry in enumerate(placed):
@@ -92,12 +94,31 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(entries: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...]]:
-    """Layout, header and pieces of a set of tensors. Cached: a training loop checkpoints the same tensors with
-    the same shapes every time, and rebuilding the plan was most of ``save()``'s remaining time."""
+def _plan(entries: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...], int]:
+    """Layout, header, pieces and the size of the manifest's tensor table for a set of tensors. Cached: a
+    training loop checkpoints the same tensors with the same shapes every time, and rebuilding the plan was most
+    of ``save()``'s remaining time."""
     placed, data_bytes = layout(list(entries))
     header = build_header(placed, dcp_sharding_metadata(placed))
-    return tuple(placed), data_bytes, header, tuple(plan_pieces(placed))
+    return tuple(placed), data_bytes, header, tuple(plan_pieces(placed)), _tensor_table_bytes(placed)
+
+
+_MANIFEST_OVERHEAD_BYTES = 4096
+"""Room for the manifests' fixed fields (format, step, checksum algorithm...) of the rank and top manifests."""
+
+
+def manifest_bytes(tree: Any, tensor_table_bytes: int, world_size: int) -> int:
+    """An upper estimate of the bytes this rank writes besides its tensor file: its manifest (tree plus tensor
+    table) and, for rank 0, ``manifest.json``. ``Deferred`` values are not known yet and are not counted."""
+    tree_bytes = len(json.dumps(tree, separators=(",", ":"), allow_nan=False))
+    return tree_bytes + tensor_table_bytes + _MANIFEST_OVERHEAD_BYTES + 32 * world_size
+
+
+def _tensor_table_bytes(entries: list[TensorEntry]) -> int:
+    placeholder = format_checksum(0)
+    table = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
+                     "checksums": [placeholder] * num_chunks(e.nbytes), "capture": "eager"} for e in entries}
+    return len(json.dumps(table, separators=(",", ":")))
 
 
 def _check_free_space(storage: Storage, dirpath: str, needed: int, step: int) -> None:

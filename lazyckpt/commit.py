@@ -1,46 +1,95 @@
 """The commit protocol: per-rank manifests once each rank's file is durable, then rank 0 commits the whole.
 
 Order, for every rank: tensor file fsynced -> ``rank-NNNNN.json`` written atomically. Then rank 0 waits for every
-rank's manifest, writes ``manifest.json`` atomically and renames ``step-N.partial`` to ``step-N`` (fsyncing the
-parent). The rename is the commit point: a crash before it leaves only a partial directory that readers ignore.
-No collectives are used (this runs on the writer thread); ranks meet through the shared file system.
+rank's manifest, writes ``manifest.json`` atomically, renames ``step-N.partial`` to ``step-N`` and fsyncs the
+parent directory. The rename is the commit point: a crash before it leaves only a partial directory that readers
+ignore. No collectives are used (this runs off the training thread); ranks meet through the storage.
+
+Failure rule (docs/design.md): a commit that raises leaves nothing visible. A failure of the rename itself or of
+the directory fsync after it rolls the rename back, so a checkpoint whose ``wait()`` fails is never ``latest()``.
+If even the roll-back fails, the directory stays visible and the commit is reported as having succeeded, with a
+warning: ``wait()`` and ``latest()`` never disagree.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from collections.abc import Callable
 
 from lazyckpt._version import __version__
 from lazyckpt.format import MANIFEST, rank_file, rank_manifest, rank_manifest_doc, top_manifest_doc
 from lazyckpt.job import CheckpointJob
 from lazyckpt.storage import Storage
 
+logger = logging.getLogger(__name__)
+
 
 def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float) -> None:
     """Publish this rank's manifest and, on rank 0, commit the checkpoint once every rank is durable."""
+    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), rank_manifest_bytes(job),
+                         sync=sync)
+    if job.rank != 0:
+        wait_for_rank0_commit(job, storage, timeout_s)
+        return
+    wait_for_other_ranks(job, storage, timeout_s)
+    top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
+    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), dumps(top), sync=sync)
+    publish(job, storage, sync=sync)
+
+
+def rank_manifest_bytes(job: CheckpointJob) -> bytes:
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
                             checksums=job.checksums)
-    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), _dumps(doc), sync=sync)
-    if job.rank != 0:
-        _wait_for(lambda: os.path.isdir(job.final_dir), timeout_s, f"rank 0 to commit {job.final_dir}")
-        return
+    return dumps(doc)
+
+
+def publish(job: CheckpointJob, storage: Storage, *, sync: bool) -> None:
+    """The commit point: rename the partial directory to its final name and make the rename durable."""
+    try:
+        storage.rename(job.partial_dir, job.final_dir, sync=False)
+        if sync:
+            storage.sync_dir(job.dirpath)
+    except BaseException as error:
+        if storage.stat(job.final_dir) is not None and not _roll_back(job, storage, error):
+            return  # visible and complete: reported committed, so that wait() agrees with latest()
+        raise
+
+
+def _roll_back(job: CheckpointJob, storage: Storage, error: BaseException) -> bool:
+    """Undo a rename whose durability is unknown; False when the checkpoint had to stay visible."""
+    try:
+        storage.rename(job.final_dir, job.partial_dir, sync=False)
+        storage.sync_dir(job.dirpath)
+        return True
+    except Exception as again:  # noqa: BLE001 - the first error is the one to report
+        logger.warning("lazyckpt: committing %s failed after the rename (%r) and undoing the rename failed too "
+                       "(%r); the checkpoint stays committed but may not survive a power loss",
+                       job.final_dir, error, again)
+        return False
+
+
+def wait_for_other_ranks(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
+    """Rank 0: block until every other rank's manifest is in the partial directory (its file is durable)."""
     others = [os.path.join(job.partial_dir, rank_manifest(r)) for r in range(1, job.world_size)]
-    _wait_for(lambda: all(os.path.exists(p) for p in others), timeout_s,
+    _wait_for(lambda: all(storage.stat(p) is not None for p in others), timeout_s,
               f"the other {job.world_size - 1} rank(s) to make their files in {job.partial_dir} durable")
-    top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
-    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), _dumps(top), sync=sync)
-    storage.rename(job.partial_dir, job.final_dir, sync=sync)
 
 
-def _dumps(doc: dict) -> bytes:
+def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
+    """Ranks other than 0: block until rank 0 renamed the directory to its final name."""
+    _wait_for(lambda: storage.stat(job.final_dir) is not None, timeout_s, f"rank 0 to commit {job.final_dir}")
+
+
+def dumps(doc: dict) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    # Polling the file system is the only rendezvous available off the training thread.
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    # Polling the storage is the only rendezvous available off the training thread.
     deadline, delay = time.monotonic() + timeout_s, 0.005
     while not predicate():
         if time.monotonic() > deadline:

@@ -13,7 +13,7 @@ class CopyBackendName(str, enum.Enum):
     AUTO = "auto"
     """``cuda`` when any tensor is on a GPU and CUDA is available, else ``cpu``."""
     CPU = "cpu"
-    """A background thread copies chunk by chunk (torch ``copy_`` releases the GIL)."""
+    """A background thread copies piece by piece (torch ``copy_`` releases the GIL)."""
     CUDA = "cuda"
     """``copy_(non_blocking=True)`` on a dedicated stream ordered after the compute stream by an event."""
     TRITON = "triton"
@@ -27,6 +27,16 @@ class OnBusy(str, enum.Enum):
     """Block until the previous checkpoint is committed, then take the new one."""
     SKIP = "skip"
     """Drop the new request with a warning; its handle's ``wait()`` returns ``None``."""
+
+
+class OnOlderStep(str, enum.Enum):
+    """What ``save()`` does with a step lower than the newest committed one (e.g. after resuming from an older
+    checkpoint), whose newer checkpoints ``latest()`` would otherwise keep returning."""
+
+    ERROR = "error"
+    """Refuse it with :class:`~lazyckpt.errors.StepOrderError` naming the newer steps."""
+    MOVE_ASIDE = "move_aside"
+    """Rename every newer checkpoint to ``step-N.superseded`` (kept, never read by ``latest()``) and save."""
 
 
 def _parse_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
@@ -46,7 +56,7 @@ class CheckpointConfig:
     one is committed, so the only committed checkpoint is never removed."""
     host_buffer_bytes: int | None = None
     """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole 8 MiB slots). A smaller
-    budget works: chunks cycle through the pool as the writer frees them, and the barrier waits longer."""
+    budget works: pieces cycle through the pool's slots as the writer frees them, and the barrier waits longer."""
     copy_backend: CopyBackendName | str = CopyBackendName.AUTO
     """One of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"`` (see :class:`CopyBackendName`)."""
     on_busy: OnBusy | str = OnBusy.WAIT
@@ -63,10 +73,13 @@ class CheckpointConfig:
     """Extra free space to keep on the file system beyond the checkpoint's own bytes."""
     fsync: bool = True
     """Make every file durable before commit. Turn off only for throwaway runs (tests of speed, tmpfs)."""
+    on_older_step: OnOlderStep | str = OnOlderStep.ERROR
+    """``"error"`` or ``"move_aside"`` (see :class:`OnOlderStep`)."""
 
     def __post_init__(self) -> None:
         self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
         self.on_busy = _parse_enum(OnBusy, "on_busy", self.on_busy)
+        self.on_older_step = _parse_enum(OnOlderStep, "on_older_step", self.on_older_step)
         if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from lazyckpt.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.errors import SnapshotConsistencyError
-from lazyckpt.job import CheckpointJob
+from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.plan import Piece, lazy_bytes, segment_runs
 from lazyckpt.staging import CopyBackend, HostBufferPool
 from lazyckpt.staging.pool import slots_for
@@ -29,9 +29,10 @@ MAX_BATCH_PIECES = 64
 class Copier:
     """Owns the host pool and the copy thread of one checkpointer."""
 
-    def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage,
+    def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage, writer: SharedWriter,
                  finalize: Callable[[CheckpointJob], None]) -> None:
         self.backend = backend
+        self.writer = writer
         self.budget_bytes = budget_bytes
         self.storage = storage
         self.finalize = finalize
@@ -49,13 +50,12 @@ class Copier:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            writer = SharedWriter.get()
+            writer = self.writer
             try:
                 self._stage(job, writer)
             except BaseException as e:  # noqa: BLE001 - the job carries it to the training thread
                 job.fail(e)
             finally:
-                job.staged.set()
                 writer.submit(CallTask(job, lambda job=job: self.finalize(job), always=True))
 
     def _stage(self, job: CheckpointJob, writer: SharedWriter) -> None:
@@ -71,7 +71,7 @@ class Copier:
                 return
         _check_versions(job)
         job.stats.copy_s = time.monotonic() - job.requested_at
-        job.staged.set()
+        job.advance(JobState.STAGED)
         for piece in (p for p in job.pieces if not p.lazy):
             _write_eager_piece(job, piece, writer, self.storage)
 

@@ -25,16 +25,17 @@ from typing import Any
 import torch
 
 from lazyckpt.capture import capture_job
-from lazyckpt.commit import commit
-from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
+from lazyckpt.config import CheckpointConfig, OnBusy, OnOlderStep, normalize_dirpath
 from lazyckpt.copier import Copier
-from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.errors import StepAlreadyCommittedError, StepOrderError
 from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
-from lazyckpt.housekeeping import DirectoryLock, remove_partials
-from lazyckpt.job import CheckpointJob, CheckpointStats
+from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
+from lazyckpt.job import CheckpointJob
+from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
+from lazyckpt.stats import StatsLog
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.threads import start_background_thread
 from lazyckpt.writer import CallTask, SharedWriter
@@ -54,11 +55,12 @@ class PendingCheckpoint:
         self.path = None if job is None else job.final_dir
 
     def done(self) -> bool:
-        """True once the checkpoint is committed or failed (or was skipped)."""
-        return self._job is None or self._job.done.is_set()
+        """True once the checkpoint is committed or failed (or was skipped). Any thread; never blocks."""
+        return self._job is None or self._job.done
 
     def wait(self, timeout: float | None = None) -> str | None:
         """Pass the barrier, then block until the checkpoint is durable and committed; returns its directory.
+        Training thread (it may run the ``Deferred`` leaves). ``timeout`` bounds the whole call, barrier included.
 
         Raises:
             TimeoutError: not committed within ``timeout`` seconds.
@@ -66,8 +68,9 @@ class PendingCheckpoint:
         """
         if self._job is None:
             return None
-        self._checkpointer._barrier(self._job)
-        if not self._job.done.wait(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not (self._checkpointer._barrier(self._job, timeout)
+                and self._job.wait_done(_remaining(deadline))):
             raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
         if self._job.error is not None:
             self._job.error_delivered = True
@@ -105,13 +108,22 @@ class LazyCheckpointer:
         self.storage: Storage = storage if storage is not None else LocalStorage()
         self.storage.make_dir(self.dirpath)
         self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
-        if self.config.rank == 0:
-            remove_partials(self.dirpath, self.storage)
+        try:
+            if self.config.rank == 0:
+                remove_partials(self.dirpath, self.storage)
+        except BaseException:
+            self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
+            raise
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
         self._pending: PendingCheckpoint | None = None
-        self.stats: list[CheckpointStats] = []
+        self.stats = StatsLog()
+        """The newest committed checkpoints' :class:`~lazyckpt.CheckpointStats` (a bounded window, iterable and
+        indexable) and ``stats.total``, running totals over all of them."""
+        self._writer = SharedWriter.get()
+        self._newest_committed: int | None = None
+        """Cache of the newest committed step (None: list the directory when next needed)."""
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -132,6 +144,7 @@ class LazyCheckpointer:
 
         Raises:
             StepAlreadyCommittedError: ``step`` is committed already or in flight.
+            StepOrderError: ``step`` is lower than the newest committed step and ``on_older_step="error"``.
             UnsupportedValueError: a value in ``state`` has no safe encoding (the message names its path).
             OSError: not enough free space (``ENOSPC``), or a background failure of an earlier checkpoint.
         """
@@ -141,7 +154,7 @@ class LazyCheckpointer:
             raise ValueError(f"step={step!r} must be a non-negative int")
         self._deliver_error(self._job)
         final_dir = os.path.join(self.dirpath, step_dirname(step))
-        if os.path.isdir(final_dir) or (self._job is not None and self._job.step == step and not self._job.failed):
+        if self.storage.stat(final_dir) is not None or (self._job is not None and self._job.step == step and not self._job.failed):
             raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
                                             "lazyckpt never overwrites a checkpoint (use a new step number)")
         if self.in_flight is not None:
@@ -150,6 +163,7 @@ class LazyCheckpointer:
                               "being written (on_busy='skip')", RuntimeWarning, stacklevel=2)
                 return PendingCheckpoint(self, None, step)
             self._drain(self._job)
+        self._check_step_order(step)
         job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
@@ -181,9 +195,10 @@ class LazyCheckpointer:
         if self.in_flight is not None and self.in_flight.step == step:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
         path = os.path.join(self.dirpath, step_dirname(step))
+        self._newest_committed = None
         doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
         try:
-            os.rename(path, doomed)
+            self.storage.rename(path, doomed, sync=False)
         except FileNotFoundError:
             return False
         self.storage.remove_tree(doomed)
@@ -226,34 +241,71 @@ class LazyCheckpointer:
             raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) was created in process {self._pid}; its threads "
                                f"do not exist in this forked process {os.getpid()}: create a new one here")
 
+    def _check_step_order(self, step: int) -> None:
+        """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
+        checkpoint of the run that is training now."""
+        if self._newest_committed is not None and step > self._newest_committed:
+            return
+        committed = committed_steps(self.dirpath, self.storage)
+        newer = sorted(s for s in committed if s > step)
+        self._newest_committed = max(committed, default=-1)
+        if not newer:
+            return
+        if self.config.on_older_step is OnOlderStep.ERROR:
+            raise StepOrderError(
+                f"step {step} is lower than the committed step(s) {newer} in {self.dirpath}, which latest() would "
+                "keep returning; to resume from an older checkpoint pass on_older_step='move_aside' (renames the "
+                "newer ones to step-N.superseded) or remove() them first")
+        if self.config.rank == 0:
+            for newer_step in newer:
+                move_aside(self.dirpath, newer_step, self.storage)
+        self._newest_committed = None
+
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
             if self._backend is None:
                 self._backend = make_backend(self.config.copy_backend, tensors)
             self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
-                                  storage=self.storage, finalize=self._finalize)
+                                  storage=self.storage, writer=self._writer, finalize=self._finalize)
         return self._backend
 
-    def _barrier(self, job: CheckpointJob) -> None:
-        with job.barrier_lock:  # two threads may reach the barrier; the Deferred leaves run once
+    def _barrier(self, job: CheckpointJob, timeout: float | None = None) -> bool:
+        """Training thread: wait until ``job`` is staged, evaluate its Deferred leaves, and pass. Returns False
+        when ``timeout`` ran out first (the barrier is then still ahead)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not job.barrier_lock.acquire(timeout=-1 if deadline is None else _remaining(deadline)):
+            return False
+        try:
             if job.barrier_passed:
-                return
+                return True
             started = time.monotonic()
-            job.staged.wait()
-            if not job.failed and not job.deferred_resolved:
-                try:
-                    resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
-                    job.tree = fill_deferred(job.tree, resolved)
-                except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
-                    job.fail(e)
-            job.pass_barrier()
+            if not job.wait_staged(_remaining(deadline)):
+                return False
+            owns_commit = self._complete_tree(job)
+            job.barrier_passed = True
             job.stats.wait_s += time.monotonic() - started
-        if job.written.is_set():  # the writer already closed the file: it will not ask again, so end it here
-            SharedWriter.get().submit(CallTask(job, lambda: self._end(job), always=True))
+        finally:
+            job.barrier_lock.release()
+        if owns_commit:  # the writer already closed the file: it will not commit this job, so queue it here
+            self._writer.submit(CallTask(job, lambda: self._commit_off_writer(job), always=True))
+        return True
+
+    def _complete_tree(self, job: CheckpointJob) -> bool:
+        """Put the Deferred leaves' values into the tree; True when that makes the caller own the commit."""
+        if job.failed:
+            return False
+        try:
+            resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
+            job.tree = fill_deferred(job.tree, resolved)
+        except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
+            if job.fail(e):  # the file is closed already, so no finalize will discard the job: do it here
+                self._writer.submit(CallTask(job, lambda: discard(job, self.storage), always=True))
+            return False
+        return job.complete_tree()
 
     def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
         self._barrier(job)
-        job.done.wait()
+        job.wait_done()
         if deliver:
             self._deliver_error(job)
 
@@ -263,40 +315,26 @@ class LazyCheckpointer:
             raise job.error
 
     def _finalize(self, job: CheckpointJob) -> None:
-        """Writer thread, after the job's last write: make the file durable, then end the job if it can."""
-        try:
-            if job.handle is not None:
-                self.storage.close(job.handle, sync=self.config.fsync and not job.failed)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-        job.handle = None
-        job.sources = []
-        job.written.set()
-        self._end(job)
-
-    def _end(self, job: CheckpointJob) -> None:
-        outcome = job.claim_end()
-        if outcome == "discard":
-            self._discard(job)
-        elif outcome == "commit":
+        """Writer thread, after the job's last write: make the file durable, then commit if the tree is complete."""
+        if finalize(job, self.storage, self.config):
             self._commit_off_writer(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:
-        # With several ranks the commit waits for the others; never block the process-wide writer on that.
+        """Writer thread. With several ranks the commit waits for the others: never block the shared writer."""
         if job.world_size == 1:
             self._commit(job)
         else:
             start_background_thread(self._commit, job, name="lazyckpt-commit")
 
     def _commit(self, job: CheckpointJob) -> None:
-        try:
-            commit(job, self.storage, sync=self.config.fsync, timeout_s=self.config.commit_timeout_s)
-        except BaseException as e:  # noqa: BLE001
-            job.fail(e)
-            self._discard(job)
-            return
+        commit_job(job, self.storage, self.config, on_committed=self._on_committed)
+
+    def _on_committed(self, job: CheckpointJob) -> None:
+        """The commit thread, once ``job`` is visible: stats, log, retention (rank 0)."""
         job.stats.flush_s = time.monotonic() - job.requested_at
         self.stats.append(job.stats)
+        if self._newest_committed is not None:
+            self._newest_committed = max(self._newest_committed, job.step)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
         if job.rank == 0:
@@ -304,22 +342,9 @@ class LazyCheckpointer:
                 self._purge(job.step)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
                 logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
-        job.done.set()
-
-    def _discard(self, job: CheckpointJob) -> None:
-        """A failed checkpoint leaves nothing behind; committed ones are never touched."""
-        try:
-            if job.rank == 0:
-                self.storage.remove_tree(job.partial_dir)
-            elif os.path.exists(job.file_path):
-                os.remove(job.file_path)
-        except Exception as e:  # noqa: BLE001 - the failure itself is what the caller must see
-            logger.warning("lazyckpt: could not remove the partial checkpoint %s: %r", job.partial_dir, e)
-        finally:
-            job.done.set()
 
     def _purge(self, just_committed: int) -> None:
-        steps = committed_steps(self.dirpath)
+        steps = committed_steps(self.dirpath, self.storage)
         for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed):
             self.remove(step)
 
@@ -338,6 +363,10 @@ def _close_open_checkpointers() -> None:
             checkpointer.close()
         except BaseException as e:  # noqa: BLE001
             logger.error("lazyckpt: closing %s at exit failed: %r", checkpointer.dirpath, e)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 __all__ = ["LazyCheckpointer", "PendingCheckpoint"]

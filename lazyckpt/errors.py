@@ -19,6 +19,10 @@ class StepAlreadyCommittedError(FileExistsError):
     """A checkpoint for this step is already committed; lazyckpt never overwrites one."""
 
 
+class StepOrderError(ValueError):
+    """The step is lower than the newest committed one, which ``latest()`` would keep returning."""
+
+
 class SnapshotConsistencyError(RuntimeError):
     """A lazily captured tensor changed in place inside the immutability window (torn snapshot)."""
 

@@ -6,7 +6,7 @@ import logging
 import os
 
 from lazyckpt.errors import DirectoryLockedError
-from lazyckpt.format import PARTIAL_SUFFIX
+from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.storage import Storage, StorageLock
 
 logger = logging.getLogger(__name__)
@@ -41,3 +41,21 @@ def remove_partials(dirpath: str, storage: Storage) -> list[str]:
     if removed:
         logger.info("lazyckpt: removed %d partial checkpoint(s) left by an earlier run in %s", len(removed), dirpath)
     return removed
+
+
+SUPERSEDED_SUFFIX = ".superseded"
+
+
+def move_aside(dirpath: str, step: int, storage: Storage) -> str:
+    """Rename the committed checkpoint of ``step`` to ``step-N.superseded`` (``.superseded-2``, ... when taken):
+    kept for the user, but no longer a committed checkpoint. Returns the new path."""
+    name = step_dirname(step)
+    for attempt in range(1, 1000):
+        suffix = SUPERSEDED_SUFFIX if attempt == 1 else f"{SUPERSEDED_SUFFIX}-{attempt}"
+        target = os.path.join(dirpath, name + suffix)
+        if storage.stat(target) is None:
+            storage.rename(os.path.join(dirpath, name), target, sync=True)
+            logger.warning("lazyckpt: moved the newer checkpoint %s aside to %s (on_older_step='move_aside')",
+                           name, target)
+            return target
+    raise FileExistsError(f"{dirpath} holds 999 superseded copies of {name}; delete some of them")

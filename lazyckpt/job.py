@@ -1,10 +1,23 @@
-"""One checkpoint in flight: what was captured, where it goes, and how far it got."""
+"""One checkpoint in flight: what was captured, where it goes, and the state machine of its life.
+
+A job moves through :class:`JobState` by :meth:`CheckpointJob.advance` only::
+
+    CAPTURED -> STAGED -> DURABLE -> COMMITTING -> COMMITTED
+        \\__________\\_________\\___________\\-----> FAILED -> DISCARDED
+
+``save()`` creates it CAPTURED; the copier makes it STAGED once every lazy byte is in host memory; the writer
+makes it DURABLE once the tensor file is closed (and fsynced); whoever sees it DURABLE *and* its tree complete
+(no ``Deferred`` leaf left) claims the commit (COMMITTING). A failure anywhere before COMMITTED makes it FAILED,
+and the clean-up of the partial directory makes it DISCARDED. COMMITTED and DISCARDED are the two ends.
+"""
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,27 +25,41 @@ import torch
 
 from lazyckpt.plan import Piece, TensorEntry
 from lazyckpt.state import Deferred, Path
+from lazyckpt.stats import CheckpointStats
 
 
-@dataclass
-class CheckpointStats:
-    """Where one checkpoint's time went (seconds) and how big it was."""
+class JobState(enum.Enum):
+    CAPTURED = "captured"
+    """``save()`` returned: eager tensors are copied, lazy ones still live in the model."""
+    STAGED = "staged"
+    """Every lazy byte is in host memory: the barrier may pass."""
+    DURABLE = "durable"
+    """The tensor file is written, fsynced and closed."""
+    COMMITTING = "committing"
+    """One thread claimed the commit (manifests, rename); nobody else may start it."""
+    COMMITTED = "committed"
+    """The step directory is visible under its final name."""
+    FAILED = "failed"
+    """An error was recorded; the partial directory still has to be removed."""
+    DISCARDED = "discarded"
+    """Failed, and nothing of it is left in storage."""
 
-    step: int
-    save_s: float = 0.0
-    """Training-thread time inside ``save()``."""
-    wait_s: float = 0.0
-    """Training-thread time inside the barrier (``wait_staged()``)."""
-    copy_s: float = 0.0
-    """From the request until every lazy byte was staged in host memory."""
-    flush_s: float = 0.0
-    """From the request until the checkpoint was committed."""
-    nbytes: int = 0
-    lazy_bytes: int = 0
 
-    @property
-    def stall_s(self) -> float:
-        return self.save_s + self.wait_s
+_NEXT: dict[JobState, frozenset[JobState]] = {
+    JobState.CAPTURED: frozenset({JobState.STAGED, JobState.FAILED}),
+    JobState.STAGED: frozenset({JobState.DURABLE, JobState.FAILED}),
+    JobState.DURABLE: frozenset({JobState.COMMITTING, JobState.FAILED}),
+    JobState.COMMITTING: frozenset({JobState.COMMITTED, JobState.FAILED}),
+    JobState.FAILED: frozenset({JobState.DISCARDED}),
+    JobState.COMMITTED: frozenset(),
+    JobState.DISCARDED: frozenset(),
+}
+ENDS = frozenset({JobState.COMMITTED, JobState.DISCARDED})
+_FILE_CLOSED = frozenset({JobState.DURABLE, JobState.COMMITTING})
+
+
+class IllegalTransitionError(RuntimeError):
+    """A job was asked to move to a state its current one does not lead to (a bug in lazyckpt)."""
 
 
 @dataclass(eq=False)
@@ -56,23 +83,29 @@ class CheckpointJob:
     stats: CheckpointStats
     requested_at: float = field(default_factory=time.monotonic)
     checksums: dict[str, list[str]] = field(default_factory=dict)
-    error: BaseException | None = None
     handle: Any = None
-    staged: threading.Event = field(default_factory=threading.Event)
-    written: threading.Event = field(default_factory=threading.Event)
-    """Set once the tensor file is closed (durable unless the job failed)."""
-    done: threading.Event = field(default_factory=threading.Event)
     barrier_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises the barrier (two threads may reach it; the Deferred leaves run once)."""
     barrier_passed: bool = False
-    deferred_resolved: bool = False
-    """True once the Deferred leaves are in the tree (at once when there are none)."""
-    end_claimed: bool = False
     error_delivered: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """The training thread raised :attr:`error` once already (from ``save()``/``wait_staged()``/``close()``)."""
+    state: JobState = JobState.CAPTURED
+    error: BaseException | None = None
+    tree_complete: bool = False
+    """True once the Deferred leaves are in the tree (at once when there are none)."""
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def __post_init__(self) -> None:
+        self.tree_complete = not self.deferred
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    @property
+    def done(self) -> bool:
+        """True once the job reached one of its ends (committed or discarded)."""
+        return self.state in ENDS
 
     @property
     def file_path(self) -> str:
@@ -80,33 +113,67 @@ class CheckpointJob:
 
         return os.path.join(self.partial_dir, rank_file(self.rank, self.world_size))
 
-    def __post_init__(self) -> None:
-        self.deferred_resolved = not self.deferred
+    # --- the one transition function ------------------------------------------------------------------------
 
-    def fail(self, error: BaseException) -> None:
-        """Record the first failure and wake the barrier; the job ends through :meth:`claim_end`."""
-        with self._lock:
-            if self.error is None:
-                error.add_note(f"lazyckpt: while saving step {self.step} to {self.final_dir} (rank {self.rank})")
-                self.error = error
-        self.staged.set()
+    def advance(self, to: JobState) -> bool:
+        """Move to ``to``. Returns False, changing nothing, when the job has already failed and ``to`` is a
+        step of the success path (a failure wins every race). Any thread.
 
-    def pass_barrier(self) -> None:
-        with self._lock:
-            self.barrier_passed = True
-            self.deferred_resolved = True
-
-    def claim_end(self) -> str | None:
-        """Decide, exactly once, how the job ends: ``"discard"`` once it failed and its file is closed,
-        ``"commit"`` once its bytes are durable and its tree complete (no Deferred left); else ``None``.
-
-        The writer (after closing the file) and the barrier (after evaluating the Deferred leaves) both ask;
-        whichever comes second gets the answer, so a job always ends and never twice.
+        Raises:
+            IllegalTransitionError: the current state does not lead to ``to``.
         """
-        with self._lock:
-            if self.end_claimed or not self.written.is_set():
-                return None
-            if self.error is None and not self.deferred_resolved:
-                return None
-            self.end_claimed = True
-            return "discard" if self.error is not None else "commit"
+        with self._changed:
+            if self.state is JobState.FAILED and to is not JobState.DISCARDED:
+                return False
+            if to not in _NEXT[self.state]:
+                raise IllegalTransitionError(f"step {self.step}: {self.state.value} -> {to.value} is not allowed")
+            self.state = to
+            self._changed.notify_all()
+            return True
+
+    def fail(self, error: BaseException) -> bool:
+        """Record the first failure and move to FAILED (waking the barrier). Any thread.
+
+        Returns True when the tensor file was already closed, so the caller must discard the job itself;
+        otherwise the writer's finalize does it. A failure after the job ended changes nothing.
+        """
+        with self._changed:
+            if self.state in ENDS or self.state is JobState.FAILED:
+                return False
+            file_closed = self.state in _FILE_CLOSED
+            error.add_note(f"lazyckpt: while saving step {self.step} to {self.final_dir} (rank {self.rank})")
+            self.error = error
+            self.advance(JobState.FAILED)
+            return file_closed
+
+    def complete_tree(self) -> bool:
+        """Note that the Deferred leaves are in the tree; True when this makes the job ready to commit and
+        claims the commit for the caller (training thread, at the barrier)."""
+        with self._changed:
+            self.tree_complete = True
+            return self._claim_commit()
+
+    def durable(self) -> bool:
+        """Note that the file is closed and durable; True when this claims the commit for the caller (writer)."""
+        with self._changed:
+            return self.advance(JobState.DURABLE) and self._claim_commit()
+
+    def _claim_commit(self) -> bool:
+        if self.state is JobState.DURABLE and self.tree_complete:
+            return self.advance(JobState.COMMITTING)
+        return False
+
+    # --- waiting ----------------------------------------------------------------------------------------------
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the live tensors are no longer needed (staged, or failed); False on timeout."""
+        return self.wait_until(lambda: self.state is not JobState.CAPTURED, timeout)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until the job reached an end; False on timeout."""
+        return self.wait_until(lambda: self.state in ENDS, timeout)
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until ``predicate()`` (evaluated under the job's lock) holds; False on timeout. Any thread."""
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)

@@ -1,4 +1,4 @@
-"""Pure planning: tensor entries -> file layout -> pieces of at most one chunk, each cut into checksum segments.
+"""Pure planning: tensor entries -> file layout -> pieces of at most one slot, each cut into checksum segments.
 
 Nothing here touches bytes. A *segment* is exactly one checksum chunk of one tensor (counted from the tensor's
 first byte), so checksums never straddle pieces; a *piece* is a run of consecutive segments, at most

@@ -13,8 +13,10 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU tensors; it must be chosen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import lazyckpt
 from lazyckpt.staging.cpu import CpuCopyBackend
-from lazyckpt.storage import LocalStorage
+from lazyckpt.storage import FileKind, LocalStorage, Storage
+from lazyckpt.storage.memory import MemoryStorage
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,6 +26,87 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- storage backends ---------------------------------------------------------------------------------------
+# Every backend in STORAGE_BACKENDS must pass tests/test_storage_conformance.py, and the core round trips run on
+# each. A backend is a function of pytest's tmp_path returning (storage, root directory to work under); add a
+# new backend with one line here.
+STORAGE_BACKENDS = {
+    "local": lambda tmp_path: (LocalStorage(), str(tmp_path)),
+    "memory": lambda tmp_path: (MemoryStorage(), "/checkpoints"),
+}
+
+
+@pytest.fixture(params=sorted(STORAGE_BACKENDS))
+def storage_root(request, tmp_path) -> tuple[Storage, str]:
+    """Each storage backend in turn, with an existing, empty directory to work under."""
+    storage, root = STORAGE_BACKENDS[request.param](tmp_path)
+    storage.make_dir(root)
+    return storage, root
+
+
+def load_through(storage: Storage, path: str, tmp_path, **kwargs):
+    """``lazyckpt.load`` of a checkpoint held by any storage: its files are copied out through the storage's
+    read side into a local directory first."""
+    if isinstance(storage, LocalStorage):
+        return lazyckpt.load(path, **kwargs)
+    local = tmp_path / "exported" / os.path.basename(path)
+    _export(storage, path, str(local))
+    return lazyckpt.load(str(local), **kwargs)
+
+
+def _export(storage: Storage, src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in storage.list_dir(src):
+        path, info = os.path.join(src, name), storage.stat(os.path.join(src, name))
+        if info.kind is FileKind.DIR:
+            _export(storage, path, os.path.join(dst, name))
+        elif info.kind is FileKind.FILE:
+            with open(os.path.join(dst, name), "wb") as f:
+                f.write(storage.read_bytes(path, max_bytes=1 << 40))
+
+
+class FaultyStorage:
+    """Wraps any storage; :meth:`fail` makes the next matching call of one method raise (fault injection)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self._faults: list[list] = []
+        self._mutex = threading.Lock()
+
+    def fail(self, method: str, *, when=lambda *args: True, error: BaseException | None = None, times: int = 1,
+             after: bool = False) -> BaseException:
+        """Make the next ``times`` calls of ``method`` whose arguments satisfy ``when`` raise ``error`` (EIO by
+        default); with ``after`` the call is made first and the error raised once it succeeded."""
+        error = error if error is not None else OSError(errno.EIO, f"Input/output error (injected in {method})")
+        with self._mutex:
+            self._faults.append([method, when, error, times, after])
+        return error
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            fault = self._take_fault(name, args)
+            if fault is not None and not fault[4]:
+                raise fault[2]
+            result = attr(*args, **kwargs)
+            if fault is not None:
+                raise fault[2]
+            return result
+
+        return call
+
+    def _take_fault(self, name: str, args: tuple):
+        with self._mutex:
+            for fault in self._faults:
+                if fault[0] == name and fault[3] > 0 and fault[1](*args):
+                    fault[3] -= 1
+                    return fault
+        return None
 
 
 class GatedBackend(CpuCopyBackend):

@@ -40,7 +40,7 @@ def test_background_failure_is_raised_by_the_next_save_when_nobody_waited(tmp_pa
     storage.fail = True
     with lazyckpt.LazyCheckpointer(tmp_path, storage=storage) as ckpt:
         ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])
-        ckpt.in_flight._job.done.wait()  # the failure happened in the background; nobody called wait()
+        ckpt.in_flight._job.wait_done()  # the failure happened in the background; nobody called wait()
         with pytest.raises(OSError, match="injected"):
             ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
 

@@ -6,20 +6,21 @@ import pytest
 import torch
 
 import lazyckpt
-from conftest import GatedBackend, assert_tree_equal, clone_tree, snapshot, step
+from conftest import GatedBackend, assert_tree_equal, clone_tree, load_through, snapshot, step
 
 
-def test_parameters_updated_after_the_barrier_keep_their_pre_update_value(tmp_path, trained):
+def test_parameters_updated_after_the_barrier_keep_their_pre_update_value(storage_root, tmp_path, trained):
+    storage, root = storage_root
     model, opt = trained
     backend = GatedBackend()
-    with lazyckpt.LazyCheckpointer(tmp_path, backend=backend) as ckpt:
+    with lazyckpt.LazyCheckpointer(root, backend=backend, storage=storage) as ckpt:
         expected = clone_tree(snapshot(model, opt))
         pending = ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])
         assert not pending.done(), "save() must return before the lazy copy ran"
         backend.gate.set()
         ckpt.wait_staged()
         step(model, opt, seed=2)  # the next update, right after the barrier
-        loaded = lazyckpt.load(pending.wait())
+        loaded = load_through(storage, pending.wait(), tmp_path)
     assert_tree_equal(loaded, expected)
     assert not torch.equal(model[0].weight, expected["model"]["0.weight"]), "the test must really update"
 

@@ -73,5 +73,5 @@ def test_a_checkpoint_without_deferred_leaves_commits_before_the_next_barrier(tm
     opt = torch.optim.SGD([param], lr=0.1)
     with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
         pending = ckpt.save({"p": param}, step=1, optimizers=[opt])
-        pending._job.done.wait()  # nobody called wait_staged(): a crash now must still find step 1
+        pending._job.wait_done()  # nobody called wait_staged(): a crash now must still find step 1
         assert lazyckpt.latest(tmp_path) == pending.path

@@ -12,16 +12,23 @@ import pytest
 import torch
 
 import lazyckpt
-from conftest import assert_tree_equal, clone_tree, snapshot
+from conftest import assert_tree_equal, clone_tree, load_through, snapshot
 
 
-def save_and_load(tmp_path, state, **kwargs):
-    with lazyckpt.LazyCheckpointer(tmp_path / "ckpt") as ckpt:
-        path = ckpt.save(state, step=1, **kwargs).wait()
-    return lazyckpt.load(path)
+@pytest.fixture
+def save_and_load(storage_root, tmp_path):
+    """Save ``state`` as step 1 on each storage backend in turn and load it back."""
+    storage, root = storage_root
+
+    def run(state, **kwargs):
+        with lazyckpt.LazyCheckpointer(f"{root}/ckpt", storage=storage) as ckpt:
+            path = ckpt.save(state, step=1, **kwargs).wait()
+        return load_through(storage, path, tmp_path)
+
+    return run
 
 
-def test_mixed_dtypes_and_layouts_round_trip_bit_exactly(tmp_path):
+def test_mixed_dtypes_and_layouts_round_trip_bit_exactly(save_and_load):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     state = {
         "f32": torch.randn(5, 7), "f64": torch.randn(3, dtype=torch.float64), "f16": torch.randn(9).half(),
@@ -31,15 +38,14 @@ def test_mixed_dtypes_and_layouts_round_trip_bit_exactly(tmp_path):
         "view_a": base[1], "view_b": base[1:3], "special": torch.tensor([float("nan"), float("inf"), -0.0]),
         "big": torch.randn(600_000),  # more than one checksum chunk
     }
-    loaded = save_and_load(tmp_path, state)
-    assert_tree_equal(loaded, clone_tree(state))
+    assert_tree_equal(save_and_load(state), clone_tree(state))
 
 
-def test_plain_values_keep_their_types(tmp_path):
+def test_plain_values_keep_their_types(save_and_load):
     state = {"int": 3, "float": 2.5, "nan": float("nan"), "inf": float("-inf"), "bool": True, "none": None,
              "str": "héllo", "tuple": (1, (2, [3])), "list": [1, 2], 7: "int key", "nested": {0: {"a.b": 1}},
              "big": 2**70}
-    assert_tree_equal(save_and_load(tmp_path, state), state)
+    assert_tree_equal(save_and_load(state), state)
 
 
 class Color(enum.Enum):
@@ -52,12 +58,12 @@ class Hyper:
     name: str
 
 
-def test_common_non_json_values_have_safe_typed_encodings(tmp_path):
+def test_common_non_json_values_have_safe_typed_encodings(save_and_load):
     state = {"np_f": np.float32(1.5), "np_i": np.int64(-3), "arr": np.arange(6, dtype=np.int32).reshape(2, 3),
              "path": pathlib.Path("/a/b"), "dtype": torch.bfloat16, "device": torch.device("cpu"),
              "ns": argparse.Namespace(lr=0.1, tag="x"), "enum": Color.RED, "dc": Hyper(0.1, "h"),
              "bytes": b"\x00\xff", "set": {1, 2}, "rng": np.random.RandomState(0).get_state()}
-    out = save_and_load(tmp_path, state)
+    out = save_and_load(state)
     assert out["np_f"] == np.float32(1.5) and out["np_f"].dtype == np.float32
     assert out["np_i"].dtype == np.int64
     np.testing.assert_array_equal(out["arr"], state["arr"])
@@ -78,17 +84,18 @@ def test_unsupported_value_is_refused_at_save_with_its_key_path(tmp_path):
             ckpt.save({(1, 2): 3}, step=1)
 
 
-def test_keys_that_look_alike_or_like_paths_never_collide(tmp_path):
+def test_keys_that_look_alike_or_like_paths_never_collide(save_and_load):
     state = {"a.b": torch.tensor(1), "a": {"b": torch.tensor(2), "/": torch.tensor(3)}, "../x": torch.tensor(4),
              "[0]": torch.tensor(5), "list": [torch.tensor(6)], "%2F": torch.tensor(7), "": torch.tensor(8)}
-    assert_tree_equal(save_and_load(tmp_path, state), state)
+    assert_tree_equal(save_and_load(state), state)
 
 
 @pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
-def test_deferred_leaves_are_captured_at_the_barrier(tmp_path, trained):
+def test_deferred_leaves_are_captured_at_the_barrier(storage_root, tmp_path, trained):
+    storage, root = storage_root
     model, opt = trained
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+    with lazyckpt.LazyCheckpointer(root, storage=storage) as ckpt:
         pending = ckpt.save({"sched": lazyckpt.Deferred(sched.state_dict),
                              "lr": lazyckpt.Deferred(lambda: torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64))},
                             step=1, optimizers=[opt])
@@ -96,7 +103,7 @@ def test_deferred_leaves_are_captured_at_the_barrier(tmp_path, trained):
         expected = sched.state_dict()
         ckpt.wait_staged()
         sched.step()  # after the barrier: not part of this checkpoint
-        out = lazyckpt.load(pending.wait())
+        out = load_through(storage, pending.wait(), tmp_path)
     assert out["sched"] == expected
     assert out["lr"].item() == expected["_last_lr"][0]
 

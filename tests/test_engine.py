@@ -1,0 +1,92 @@
+"""LazyCheckpointer's own rules: step order, bounded statistics, and a free-space check that counts every byte."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.retention import committed_steps
+from lazyckpt.stats import StatsLog
+
+
+def test_a_step_lower_than_the_newest_committed_one_is_refused_with_the_fix(storage_root):
+    storage, root = storage_root
+    with lazyckpt.LazyCheckpointer(root, storage=storage) as ckpt:
+        for step in (10, 20):
+            ckpt.save({"w": torch.ones(3) * step}, step=step).wait()
+        with pytest.raises(lazyckpt.StepOrderError, match=r"step 15 .* \[20\].*on_older_step='move_aside'"):
+            ckpt.save({"w": torch.zeros(3)}, step=15)
+        assert ckpt.save({"w": torch.ones(3)}, step=21).wait().endswith("step-0000021")
+    assert sorted(committed_steps(root, storage)) == [10, 20, 21]
+
+
+def test_resuming_from_an_older_checkpoint_can_move_the_newer_ones_aside(storage_root):
+    storage, root = storage_root
+    with lazyckpt.LazyCheckpointer(root, storage=storage) as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save({"w": torch.ones(3) * step}, step=step).wait()
+    with lazyckpt.LazyCheckpointer(root, storage=storage, on_older_step="move_aside") as resumed:
+        resumed.save({"w": torch.zeros(3)}, step=15).wait()
+    assert sorted(committed_steps(root, storage)) == [10, 15], "latest() is now the resumed run's checkpoint"
+    kept = sorted(n for n in storage.list_dir(root) if n.endswith(".superseded"))
+    assert kept == ["step-0000020.superseded", "step-0000030.superseded"], "nothing is deleted"
+
+
+def test_a_step_lower_than_one_removed_by_the_caller_is_accepted(storage_root):
+    storage, root = storage_root
+    with lazyckpt.LazyCheckpointer(root, storage=storage) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=5).wait()
+        ckpt.save({"w": torch.ones(3)}, step=9).wait()
+        assert ckpt.remove(9)
+        assert ckpt.save({"w": torch.ones(3)}, step=7).wait().endswith("step-0000007")
+
+
+def test_stats_keep_a_bounded_window_and_totals_over_every_checkpoint():
+    log = StatsLog(window=3)
+    for step in range(10):
+        log.append(lazyckpt.CheckpointStats(step=step, save_s=0.5, wait_s=step, nbytes=100))
+    assert [s.step for s in log] == [7, 8, 9] and len(log) == 3 and log[-1].step == 9
+    assert log.total.count == 10 and log.total.nbytes == 1000
+    assert log.total.max_stall_s == 9.5 and log.total.mean_stall_s == pytest.approx(5.0)
+
+
+def test_the_checkpointer_records_stats_of_each_committed_checkpoint(storage_root):
+    storage, root = storage_root
+    with lazyckpt.LazyCheckpointer(root, storage=storage) as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": torch.ones(4)}, step=step).wait()
+    assert [s.step for s in ckpt.stats] == [1, 2] and ckpt.stats.total.count == 2
+    assert ckpt.stats[-1].nbytes > 0 and ckpt.stats.total.nbytes == sum(s.nbytes for s in ckpt.stats)
+
+
+def test_the_free_space_check_counts_the_manifests_too(storage_root):
+    inner, root = storage_root
+    state = {"w": torch.ones(4), "config": {"names": ["x" * 1000] * 200}}  # a 200 kB tree, 16 tensor bytes
+    storage = _FreeBytes(inner, free=1 << 40)
+    with lazyckpt.LazyCheckpointer(root, storage=storage, copy_backend="cpu") as ckpt:
+        path = ckpt.save(state, step=1).wait()
+        written = sum(inner.stat(f"{path}/{name}").size for name in inner.list_dir(path))
+        tensor_file = inner.stat(f"{path}/rank-00000-of-00001.safetensors").size
+        assert written > tensor_file + 200_000
+        storage.free = written - 1
+        with pytest.raises(OSError, match="needs .* MB but only .* free") as info:
+            ckpt.save(state, step=2)
+        assert info.value.errno == errno.ENOSPC
+        storage.free = written + 8192
+        ckpt.save(state, step=2).wait()
+
+
+class _FreeBytes:
+    """A storage that reports ``free`` bytes free and otherwise is ``inner``."""
+
+    def __init__(self, inner, free: int) -> None:
+        self.inner, self.free = inner, free
+
+    def free_bytes(self, path):
+        return self.free
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
