@@ -8,12 +8,12 @@ No collectives are used (this runs on the writer thread); ranks meet through the
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from lazyckpt._version import __version__
-from lazyckpt.format import MANIFEST, rank_file, rank_manifest, rank_manifest_doc, top_manifest_doc
+from lazyckpt.format import (MANIFEST, encode_manifest, rank_file, rank_manifest, rank_manifest_doc,
+                             top_manifest_doc)
 from lazyckpt.job import CheckpointJob
 from lazyckpt.storage import Storage
 
@@ -22,8 +22,8 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     """Publish this rank's manifest and, on rank 0, commit the checkpoint once every rank is durable."""
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
-                            checksums=job.checksums)
-    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), _dumps(doc), sync=sync)
+                            checksums=job.checksums, header=job.header)
+    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), encode_manifest(doc), sync=sync)
     if job.rank != 0:
         _wait_for(lambda: os.path.isdir(job.final_dir), timeout_s, f"rank 0 to commit {job.final_dir}")
         return
@@ -31,12 +31,8 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     _wait_for(lambda: all(os.path.exists(p) for p in others), timeout_s,
               f"the other {job.world_size - 1} rank(s) to make their files in {job.partial_dir} durable")
     top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
-    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), _dumps(top), sync=sync)
+    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), encode_manifest(top), sync=sync)
     storage.rename(job.partial_dir, job.final_dir, sync=sync)
-
-
-def _dumps(doc: dict) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:

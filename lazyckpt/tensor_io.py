@@ -1,0 +1,105 @@
+"""Tensor bytes from a tensor file into tensors: large reads straight into the destination tensors' memory, and
+checksums on worker threads while the next piece is read.
+
+CPU destinations get the file's bytes with no intermediate copy. Device destinations (and ``verify``, which keeps
+nothing) go through a small ring of reused host buffers (pinned for CUDA), so no full host copy of the state is
+ever made. Numpy's checksum loops release the GIL, so the workers run in parallel with the reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lazyckpt.checksum import CHUNK_BYTES, checksum_run, format_checksum, num_chunks, tensor_bytes
+from lazyckpt.errors import CheckpointCorruptError
+from lazyckpt.storage import ReadHandle
+
+READ_BYTES = 16 * CHUNK_BYTES
+"""One read; large enough that a read costs its bytes, not its call, and a whole number of checksum chunks."""
+WORKERS = max(1, min(4, (os.cpu_count() or 2) - 1))
+"""Checksum threads beside the reading thread."""
+_INLINE_BYTES = 256 << 10
+"""Pieces this small are checked on the reading thread: handing them over costs more than checking them."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    key: str
+    start: int
+    """Offset inside the tensor."""
+    nbytes: int
+    file_offset: int
+    expected: list[str]
+    """The manifest's checksums of the chunks this piece covers."""
+
+
+def _pieces(entries: dict[str, Any], data_start: int) -> Iterator[_Piece]:
+    for key, entry in sorted(entries.items(), key=lambda item: item[1]["offsets"][0]):
+        begin, end = entry["offsets"]
+        for start in range(0, end - begin, READ_BYTES):
+            nbytes = min(READ_BYTES, end - begin - start)
+            first = start // CHUNK_BYTES
+            yield _Piece(key, start, nbytes, data_start + begin + start,
+                         entry["checksums"][first : first + num_chunks(nbytes)])
+
+
+def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: dict[str, Any],
+                      targets: dict[str, torch.Tensor] | None, *, verify: bool,
+                      progress: Callable[[int], None] | None = None) -> None:
+    """Fill ``targets`` (or, when ``None``, only check) with every tensor's bytes, checking each chunk."""
+    direct = targets is not None and all(t.device.type == "cpu" for t in targets.values())
+    ring = None if direct else _ring(targets)
+    views: dict[str, Any] = {}
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load") as pool:
+        pending: deque[Future] = deque()
+        for index, piece in enumerate(_pieces(entries, data_start)):
+            if len(pending) >= (len(ring) if ring else 2 * WORKERS):
+                pending.popleft().result()  # also frees the ring slot this piece reuses
+            if ring is None:
+                if piece.key not in views:
+                    views[piece.key] = tensor_bytes(targets[piece.key])
+                staged = None
+                buffer = views[piece.key][piece.start : piece.start + piece.nbytes]
+            else:
+                staged = ring[index % len(ring)][: piece.nbytes]
+                buffer = staged.numpy()
+            if handle.read_into(piece.file_offset, memoryview(buffer)) != piece.nbytes:
+                raise CheckpointCorruptError(f"{file}: file is truncated inside tensor {piece.key!r}")
+            target = targets[piece.key] if targets is not None and staged is not None else None
+            args = (piece, buffer, staged, target, file, verify, progress)
+            if piece.nbytes <= _INLINE_BYTES:
+                _finish(*args)
+            else:
+                pending.append(pool.submit(_finish, *args))
+        while pending:
+            pending.popleft().result()
+
+
+def _ring(targets: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    pin = targets is not None and any(t.device.type == "cuda" for t in targets.values())
+    return [torch.empty(READ_BYTES, dtype=torch.uint8, pin_memory=pin) for _ in range(WORKERS + 1)]
+
+
+def _finish(piece: _Piece, buffer: np.ndarray, staged: torch.Tensor | None, target: torch.Tensor | None,
+            file: str, verify: bool, progress: Callable[[int], None] | None) -> None:
+    if verify:
+        for index, actual in enumerate(checksum_run(buffer)):
+            if format_checksum(actual) != piece.expected[index]:
+                chunk = piece.start // CHUNK_BYTES + index
+                first = chunk * CHUNK_BYTES
+                last = min(first + CHUNK_BYTES, piece.start + piece.nbytes)
+                raise CheckpointCorruptError(
+                    f"{file}: tensor {piece.key!r} is corrupt: chunk {chunk} (bytes {first}..{last} of the tensor) "
+                    f"has checksum {format_checksum(actual)}, the manifest recorded {piece.expected[index]}")
+    if target is not None and staged is not None:
+        target.reshape(-1).view(torch.uint8)[piece.start : piece.start + piece.nbytes].copy_(staged)
+    if progress is not None:
+        progress(piece.nbytes)
