@@ -122,15 +122,30 @@ class CheckpointReader:
                 device = map_location if map_location is not None else torch.device("cpu")
                 tensors = {k: torch.empty(e["shape"], dtype=_dtype(opened, k, e), device=device)
                            for k, e in entries.items()}
-            else:  # same decoder, same keys, dtypes and shapes; no memory for the values
-                tensors = {k: torch.zeros((), dtype=_dtype(opened, k, e)).expand(e["shape"])
-                           for k, e in entries.items()}
+            else:
+                tensors = placeholders(opened)
             state = unflatten(opened.doc["tree"], tensors, opened.manifest)
             read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
                               tensors if load else None, verify=verify, progress=progress)
         finally:
             opened.close()
         return state if load else None
+
+    def outline(self, rank: int) -> Any:
+        """The decoded state of ``rank`` with every tensor a placeholder of the right dtype and shape (no tensor
+        bytes are read); the checks are those of :meth:`read_rank` except the chunk checksums."""
+        opened = self.open_rank(rank)
+        try:
+            return unflatten(opened.doc["tree"], placeholders(opened), opened.manifest)
+        finally:
+            opened.close()
+
+
+def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:
+    """Stand-ins with each tensor's dtype and shape and no memory behind them: the decoder checks structure only,
+    so it refuses the same trees with these as with the real tensors."""
+    return {k: torch.zeros((), dtype=_dtype(opened, k, e)).expand(e["shape"])
+            for k, e in opened.doc["tensors"].items()}
 
 
 def _dtype(opened: RankFile, key: str, entry: dict[str, Any]) -> torch.dtype:
