@@ -58,18 +58,22 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
     direct = targets is not None and all(t.device.type == "cpu" for t in targets.values())
     ring = None if direct else _ring(targets)
     views: dict[str, Any] = {}
+    slot_users: list[Future | None] = [None] * (len(ring) if ring else 0)
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load") as pool:
         pending: deque[Future] = deque()
         for index, piece in enumerate(_pieces(entries, data_start)):
-            if len(pending) >= (len(ring) if ring else 2 * WORKERS):
-                pending.popleft().result()  # also frees the ring slot this piece reuses
+            if len(pending) >= 2 * WORKERS:
+                pending.popleft().result()
             if ring is None:
                 if piece.key not in views:
                     views[piece.key] = tensor_bytes(targets[piece.key])
                 staged = None
                 buffer = views[piece.key][piece.start : piece.start + piece.nbytes]
             else:
-                staged = ring[index % len(ring)][: piece.nbytes]
+                slot = index % len(ring)
+                if slot_users[slot] is not None:
+                    slot_users[slot].result()  # the piece that used this buffer last is checked (and copied)
+                staged = ring[slot][: piece.nbytes]
                 buffer = staged.numpy()
             if handle.read_into(piece.file_offset, memoryview(buffer)) != piece.nbytes:
                 raise CheckpointCorruptError(f"{file}: file is truncated inside tensor {piece.key!r}")
@@ -77,8 +81,11 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
             args = (piece, buffer, staged, target, file, verify, progress)
             if piece.nbytes <= _INLINE_BYTES:
                 _finish(*args)
-            else:
-                pending.append(pool.submit(_finish, *args))
+                continue
+            future = pool.submit(_finish, *args)
+            pending.append(future)
+            if ring is not None:
+                slot_users[slot] = future
         while pending:
             pending.popleft().result()
 
