@@ -1,0 +1,59 @@
+"""Loading reads tensor bytes in large pieces straight into the result, with checksums checked alongside."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.tensor_io import READ_BYTES
+
+from _forge import FILE, split_tensor_file
+
+
+@pytest.fixture
+def large(tmp_path):
+    """Tensors spanning several reads, mixed with small ones that are checked on the reading thread."""
+    generator = torch.Generator().manual_seed(0)
+    state = {"big": torch.randn(READ_BYTES // 4 * 2 + 12345, generator=generator),
+             "small": [torch.full((7,), float(i)) for i in range(9)],
+             "half": torch.randn(3 * CHUNK_BYTES // 2, generator=generator).to(torch.bfloat16)}
+    with lazyckpt.LazyCheckpointer(tmp_path / "c") as ckpt:
+        path = ckpt.save(state, step=1).wait()
+    return path, state
+
+
+def test_tensors_spanning_several_reads_load_bit_exact(large):
+    path, state = large
+    loaded = lazyckpt.load(path)
+    assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["half"], state["half"])
+    assert all(torch.equal(a, b) for a, b in zip(loaded["small"], state["small"]))
+    lazyckpt.verify(path)
+
+
+def test_a_corrupt_chunk_in_a_later_read_is_named(large):
+    path, _ = large
+    file = os.path.join(path, FILE)
+    header, data = split_tensor_file(file)
+    data_start = os.path.getsize(file) - len(data)
+    with open(file, "r+b") as f:  # a byte of the second read of 'big'
+        f.seek(data_start + header["big"]["data_offsets"][0] + READ_BYTES + 5)
+        old = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([old[0] ^ 1]))
+    chunk = READ_BYTES // CHUNK_BYTES
+    for reader in (lazyckpt.load, lazyckpt.verify):
+        with pytest.raises(lazyckpt.CheckpointCorruptError, match=f"tensor 'big' is corrupt: chunk {chunk} "):
+            reader(path)
+
+
+@pytest.mark.gpu
+def test_load_to_a_cuda_device_is_bit_exact_and_checked(large):
+    path, state = large
+    loaded = lazyckpt.load(path, map_location="cuda")
+    assert loaded["big"].device.type == "cuda"
+    assert torch.equal(loaded["big"].cpu(), state["big"]) and torch.equal(loaded["half"].cpu(), state["half"])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(loaded["small"], state["small"]))
