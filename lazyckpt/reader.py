@@ -20,7 +20,7 @@ from lazyckpt.format import (MANIFEST, MAX_MANIFEST_BYTES, PARTIAL_SUFFIX, heade
                              sha256_hex, torch_dtype)
 from lazyckpt.manifest import check_member_name, parse_manifest
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
-from lazyckpt.tensor_io import read_tensor_bytes
+from lazyckpt.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.unflatten import unflatten
 
 Progress = Callable[[int], None]
@@ -95,6 +95,8 @@ class CheckpointReader:
             raw = self.storage.read_bytes(full, max_bytes=MAX_MANIFEST_BYTES)
         except ValueError as e:  # grew past the limit since the stat
             raise CheckpointFormatError(f"{full}: {e}") from None
+        except OSError as e:
+            raise OSError(e.errno, f"{full}: reading the manifest failed: {e.strerror or e}") from e
         return parse_manifest(raw, full, kind)
 
     def open_rank(self, rank: int) -> RankFile:
@@ -161,8 +163,7 @@ def _open(storage: Storage, file: str) -> ReadHandle:
 
 def _read_exact(handle: ReadHandle, offset: int, nbytes: int, file: str, what: str) -> bytes:
     buffer = bytearray(nbytes)
-    if handle.read_into(offset, memoryview(buffer)) != nbytes:
-        raise CheckpointFormatError(f"{file}: file is truncated inside {what}")
+    read_exact(handle, offset, buffer, file, what)
     return bytes(buffer)
 
 

@@ -75,8 +75,7 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
                     slot_users[slot].result()  # the piece that used this buffer last is checked (and copied)
                 staged = ring[slot][: piece.nbytes]
                 buffer = staged.numpy()
-            if handle.read_into(piece.file_offset, memoryview(buffer)) != piece.nbytes:
-                raise CheckpointCorruptError(f"{file}: file is truncated inside tensor {piece.key!r}")
+            read_exact(handle, piece.file_offset, buffer, file, f"tensor {piece.key!r}")
             target = targets[piece.key] if targets is not None and staged is not None else None
             args = (piece, buffer, staged, target, file, verify, progress)
             if piece.nbytes <= _INLINE_BYTES:
@@ -88,6 +87,16 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
                 slot_users[slot] = future
         while pending:
             pending.popleft().result()
+
+
+def read_exact(handle: ReadHandle, offset: int, buffer: Any, file: str, what: str) -> None:
+    """Fill ``buffer`` from ``offset``; a short read or an I/O error names the file and what was being read."""
+    try:
+        got = handle.read_into(offset, memoryview(buffer))
+    except OSError as e:
+        raise OSError(e.errno, f"{file}: reading {what} failed: {e.strerror or e}") from e
+    if got != memoryview(buffer).nbytes:
+        raise CheckpointCorruptError(f"{file}: file is truncated inside {what}")
 
 
 def _ring(targets: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
 import torch
 
 import lazyckpt
+from lazyckpt import cli
 from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.storage import LocalStorage
 from lazyckpt.tensor_io import READ_BYTES
 
 from _forge import FILE, split_tensor_file
@@ -57,3 +60,62 @@ def test_load_to_a_cuda_device_is_bit_exact_and_checked(large):
     assert loaded["big"].device.type == "cuda"
     assert torch.equal(loaded["big"].cpu(), state["big"]) and torch.equal(loaded["half"].cpu(), state["half"])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(loaded["small"], state["small"]))
+
+
+class MountedStorage(LocalStorage):
+    """Serves a local directory as ``mount://c``: code that bypasses the storage finds nothing."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = str(root)
+
+    def real(self, path):
+        assert path.startswith("mount://c"), f"reader passed a path the storage did not give out: {path}"
+        return self.root + path.removeprefix("mount://c")
+
+    def stat(self, path):
+        return super().stat(self.real(path))
+
+    def list_dir(self, path):
+        return super().list_dir(self.real(path))
+
+    def resolve(self, path):
+        return path
+
+    def open_read(self, path):
+        return super().open_read(self.real(path))
+
+    def read_bytes(self, path, *, max_bytes):
+        return super().read_bytes(self.real(path), max_bytes=max_bytes)
+
+    def read_link(self, path):
+        return super().read_link(self.real(path))
+
+
+class FailingReads(MountedStorage):
+    def open_read(self, path):
+        handle = super().open_read(path)
+        if path.endswith(".safetensors"):
+            def fail(offset, buffer):
+                raise OSError(errno.EIO, "Input/output error")
+            handle.read_into = fail
+        return handle
+
+
+def test_the_reader_and_the_cli_touch_files_only_through_the_storage(large, capsys):
+    path, state = large
+    storage = MountedStorage(os.path.dirname(path))
+    mounted = "mount://c/" + os.path.basename(path)
+    assert lazyckpt.latest("mount://c", storage=storage) == mounted
+    assert torch.equal(lazyckpt.load(mounted, storage=storage)["big"], state["big"])
+    lazyckpt.verify(mounted, storage=storage)
+    assert lazyckpt.checkpoint_step(mounted, storage=storage) == 1
+    for command in (["ls", "mount://c"], ["show", mounted], ["verify", mounted]):
+        assert cli.main(command, storage=storage) == 0, capsys.readouterr()
+
+
+def test_an_io_error_while_reading_names_the_file(large):
+    path, _ = large
+    storage = FailingReads(os.path.dirname(path))
+    with pytest.raises(OSError, match=f"{FILE}: reading the header length failed: Input/output error"):
+        lazyckpt.load("mount://c/" + os.path.basename(path), storage=storage)
