@@ -126,9 +126,9 @@ class CheckpointReader:
                            for k, e in entries.items()}
             else:
                 tensors = placeholders(opened)
-            state = unflatten(opened.doc["tree"], tensors, opened.manifest)
             read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
                               tensors if load else None, verify=verify, progress=progress)
+            state = unflatten(opened.doc["tree"], tensors, opened.manifest)
         finally:
             opened.close()
         return state if load else None

@@ -32,7 +32,7 @@ class _Decoder:
         self.tags: dict[str, Callable[[Any, str], Any]] = {
             "$dict": self._dict, "$tuple": lambda v, p: tuple(self._items(v, p)),
             "$float": self._float, "$tensor": self._tensor, "$inline": lambda v, p: decode_inline_tensor(v),
-            "$ndarray": lambda v, p: self.decode(v, p).numpy(), "$np_scalar": self._np_scalar,
+            "$ndarray": lambda v, p: self.decode(v, p).cpu().numpy(), "$np_scalar": self._np_scalar,
             "$torch_dtype": self._torch_dtype, "$torch_device": lambda v, p: torch.device(self._str(v, p)),
             "$path": lambda v, p: pathlib.Path(self._str(v, p)),
             "$namespace": lambda v, p: argparse.Namespace(**self.decode(v, p)),

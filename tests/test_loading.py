@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,8 @@ def large(tmp_path):
     generator = torch.Generator().manual_seed(0)
     state = {"big": torch.randn(READ_BYTES // 4 * 2 + 12345, generator=generator),
              "small": [torch.full((7,), float(i)) for i in range(9)],
-             "half": torch.randn(3 * CHUNK_BYTES // 2, generator=generator).to(torch.bfloat16)}
+             "half": torch.randn(3 * CHUNK_BYTES // 2, generator=generator).to(torch.bfloat16),
+             "array": np.arange(5)}
     with lazyckpt.LazyCheckpointer(tmp_path / "c") as ckpt:
         path = ckpt.save(state, step=1).wait()
     return path, state
@@ -60,6 +62,7 @@ def test_load_to_a_cuda_device_is_bit_exact_and_checked(large):
     assert loaded["big"].device.type == "cuda"
     assert torch.equal(loaded["big"].cpu(), state["big"]) and torch.equal(loaded["half"].cpu(), state["half"])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(loaded["small"], state["small"]))
+    assert isinstance(loaded["array"], np.ndarray) and loaded["array"].tolist() == [0, 1, 2, 3, 4]
 
 
 class MountedStorage(LocalStorage):
