@@ -21,6 +21,7 @@ import torch
 from lazyckpt.checksum import CHUNK_BYTES, checksum_run, format_checksum, num_chunks, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError
 from lazyckpt.storage import ReadHandle
+from lazyckpt.threads import limit_torch_threads_here
 
 READ_BYTES = 16 * CHUNK_BYTES
 """One read; large enough that a read costs its bytes, not its call, and a whole number of checksum chunks."""
@@ -59,7 +60,9 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
     ring = None if direct else _ring(targets)
     views: dict[str, Any] = {}
     slot_users: list[Future | None] = [None] * (len(ring) if ring else 0)
-    with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load") as pool:
+    # Workers run numpy and (for a device) one copy_ per piece: one torch thread each, so no OpenMP team outlives
+    # the load; they keep normal priority because the caller is waiting for them.
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load", initializer=limit_torch_threads_here) as pool:
         pending: deque[Future] = deque()
         for index, piece in enumerate(_pieces(entries, data_start)):
             if len(pending) >= 2 * WORKERS:

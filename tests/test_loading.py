@@ -122,3 +122,12 @@ def test_an_io_error_while_reading_names_the_file(large):
     storage = FailingReads(os.path.dirname(path))
     with pytest.raises(OSError, match=f"{FILE}: reading the header length failed: Input/output error"):
         lazyckpt.load("mount://c/" + os.path.basename(path), storage=storage)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
+def test_loading_leaves_no_thread_behind(large):
+    path, _ = large
+    before = set(os.listdir("/proc/self/task"))
+    lazyckpt.load(path)
+    lazyckpt.verify(path)
+    assert set(os.listdir("/proc/self/task")) <= before
