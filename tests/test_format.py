@@ -195,3 +195,17 @@ def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
     expected = lazyckpt.load(saved)
     reseal(saved)
     assert_tree_equal(lazyckpt.load(saved), expected)
+
+
+def test_a_checkpoint_written_by_format_version_1_loads_and_verifies(tmp_path):
+    """tests/data/format-v1 was written by the previous release (format version 1, no seals)."""
+    import math
+    import shutil
+
+    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "format-v1", "step-0000007"),
+                           tmp_path / "step-0000007")
+    state = lazyckpt.load(path)
+    assert torch.equal(state["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert torch.equal(state["model"]["b"], torch.ones(2, dtype=torch.bfloat16))
+    assert state["step"] == 7 and state["pair"] == (1, "x") and math.isnan(state["lr"])
+    lazyckpt.verify(path)
