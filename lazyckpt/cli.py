@@ -1,4 +1,4 @@
-"""``lazyckpt`` command line: list, inspect and verify checkpoints, through the strict reader only.
+"""``lazyckpt`` command line: list, inspect, verify and export checkpoints, through the strict reader only.
 
 Exit codes: 0 everything checked is fine, 1 a problem was found (one line per problem), 2 bad usage.
 
@@ -6,6 +6,7 @@ Example:
     $ lazyckpt ls runs/ckpt
     $ lazyckpt show runs/ckpt/step-0000120
     $ lazyckpt verify runs/ckpt/step-0000120
+    $ lazyckpt export runs/ckpt/last.ckpt out/model.safetensors --format safetensors
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.export import export_safetensors
 from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.loading import committed
 from lazyckpt.reader import CheckpointReader
@@ -150,6 +152,31 @@ class _Cli:
         return 0
 
 
+    # --- export ---------------------------------------------------------------------------------------------
+
+    def export(self, args: argparse.Namespace) -> int:
+        try:
+            if args.format == "safetensors":
+                out = export_safetensors(args.path, args.out, key=args.key, storage=self.storage)
+            else:
+                out = _export_lightning(args.path, args.out)
+        except PROBLEMS as e:
+            self.problem(str(e))
+            return 1
+        except ImportError as e:
+            self.problem(f"--format lightning needs Lightning installed (pip install 'lazyckpt[lightning]'): {e}")
+            return 1
+        info = self.storage.stat(out)
+        self.out.print(f"wrote {out} ({human_size(info.size if info else 0)})", soft_wrap=True)
+        return 0
+
+
+def _export_lightning(path: str, out: str) -> str:
+    from lazyckpt.integrations.lightning import export_checkpoint
+
+    return export_checkpoint(path, out)
+
+
 def _tensor_bytes(reader: CheckpointReader) -> int:
     """About what verify will read, for the progress bar: the sizes of the directory's tensor files."""
     infos = (reader.storage.stat(os.path.join(reader.path, n)) for n in reader.storage.list_dir(reader.path)
@@ -203,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every rule and checksum of one or more checkpoints")
     p.add_argument("paths", nargs="+", metavar="path")
     p.set_defaults(fn=_Cli.verify)
+    p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt or a model.safetensors")
+    p.add_argument("path")
+    p.add_argument("out")
+    p.add_argument("--format", choices=["lightning", "safetensors"], default="lightning",
+                   help="lightning: a .ckpt that torch.load(weights_only=True) accepts; safetensors: the model's "
+                        "weights under their plain names (default lightning)")
+    p.add_argument("--key", default=None, help="safetensors: the top-level key holding the weights (default: "
+                                               "state_dict, else model)")
+    p.set_defaults(fn=_Cli.export)
     return parser
 
 

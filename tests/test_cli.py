@@ -107,3 +107,32 @@ def test_bad_usage_exits_2(capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["verify"])
     assert exited.value.code == 2
+
+
+def test_export_safetensors_writes_the_weights_under_plain_names(dirpath, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out" / "model.safetensors"
+    code, stdout, err = run(capsys, "export", dirpath / "last.ckpt", out, "--format", "safetensors")
+    assert code == 0, err
+    weights = load_file(out)
+    assert sorted(weights) == ["0.weight", "a/b"]
+    assert torch.equal(weights["0.weight"], torch.ones(4, 4)) and weights["a/b"].dtype == torch.bfloat16
+
+
+def test_export_without_a_weights_dict_names_the_fix(dirpath, tmp_path, capsys):
+    code, _, err = run(capsys, "export", dirpath / "last.ckpt", tmp_path / "m.safetensors", "--format",
+                       "safetensors", "--key", "epoch")
+    assert code == 1 and "pass --key" in err and len(err.strip().splitlines()) == 1
+
+
+def test_export_lightning_writes_a_ckpt_that_loads_with_weights_only(tmp_path, capsys):
+    pytest.importorskip("lightning")
+    state = {"pytorch-lightning_version": "2.4.0", "state_dict": {"layer.weight": torch.ones(2, 2)}, "epoch": 1,
+             "global_step": 8}
+    with lazyckpt.LazyCheckpointer(tmp_path / "pl") as ckpt:
+        path = ckpt.save(state, step=8).wait()
+    code, _, err = run(capsys, "export", path, tmp_path / "out.ckpt")
+    assert code == 0, err
+    loaded = torch.load(tmp_path / "out.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["layer.weight"], torch.ones(2, 2)) and loaded["global_step"] == 8
