@@ -121,9 +121,7 @@ class CheckpointReader:
         try:
             entries = opened.doc["tensors"]
             if load:
-                device = map_location if map_location is not None else torch.device("cpu")
-                tensors = {k: torch.empty(e["shape"], dtype=_dtype(opened, k, e), device=device)
-                           for k, e in entries.items()}
+                tensors = _allocate(opened, map_location if map_location is not None else torch.device("cpu"))
             else:
                 tensors = placeholders(opened)
             read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
@@ -148,6 +146,17 @@ def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:
     so it refuses the same trees with these as with the real tensors."""
     return {k: torch.zeros((), dtype=_dtype(opened, k, e)).expand(e["shape"])
             for k, e in opened.doc["tensors"].items()}
+
+
+def _allocate(opened: RankFile, device: torch.device) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for key, entry in opened.doc["tensors"].items():
+        try:
+            tensors[key] = torch.empty(entry["shape"], dtype=_dtype(opened, key, entry), device=device)
+        except (RuntimeError, MemoryError) as e:  # e.g. a huge tensor in a sparse file
+            raise MemoryError(f"{opened.file}: cannot allocate tensor {key!r} {entry['shape']} on {device}: "
+                              f"{e}") from None
+    return tensors
 
 
 def _dtype(opened: RankFile, key: str, entry: dict[str, Any]) -> torch.dtype:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -124,10 +125,10 @@ def test_an_io_error_while_reading_names_the_file(large):
         lazyckpt.load("mount://c/" + os.path.basename(path), storage=storage)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts OS threads through /proc")
-def test_loading_leaves_no_thread_behind(large):
+def test_loading_leaves_no_thread_behind_and_the_torch_thread_count_unchanged(large):
     path, _ = large
-    before = set(os.listdir("/proc/self/task"))
+    threads = torch.get_num_threads()
     lazyckpt.load(path)
     lazyckpt.verify(path)
-    assert set(os.listdir("/proc/self/task")) <= before
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("lazyckpt-load")]
+    assert torch.get_num_threads() == threads
