@@ -56,40 +56,52 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
                       targets: dict[str, torch.Tensor] | None, *, verify: bool,
                       progress: Callable[[int], None] | None = None) -> None:
     """Fill ``targets`` (or, when ``None``, only check) with every tensor's bytes, checking each chunk."""
-    direct = targets is not None and all(t.device.type == "cpu" for t in targets.values())
-    ring = None if direct else _ring(targets)
-    views: dict[str, Any] = {}
-    slot_users: list[Future | None] = [None] * (len(ring) if ring else 0)
     # Workers run numpy and (for a device) one copy_ per piece: one torch thread each, so no OpenMP team outlives
     # the load; they keep normal priority because the caller is waiting for them.
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load", initializer=limit_torch_threads_here) as pool:
+        _Transfer(handle, file, targets, verify, progress).run(pool, _pieces(entries, data_start))
+
+
+class _Transfer:
+    """One rank's tensor bytes on their way: where each piece lands, and which checks are still running."""
+
+    def __init__(self, handle: ReadHandle, file: str, targets: dict[str, torch.Tensor] | None, verify: bool,
+                 progress: Callable[[int], None] | None) -> None:
+        self.handle, self.file, self.targets, self.verify, self.progress = handle, file, targets, verify, progress
+        direct = targets is not None and all(t.device.type == "cpu" for t in targets.values())
+        self.ring = None if direct else _ring(targets)
+        self.slot_users: list[Future | None] = [None] * (len(self.ring) if self.ring else 0)
+        self.views: dict[str, np.ndarray] = {}
+
+    def run(self, pool: ThreadPoolExecutor, pieces: Iterator[_Piece]) -> None:
         pending: deque[Future] = deque()
-        for index, piece in enumerate(_pieces(entries, data_start)):
+        for index, piece in enumerate(pieces):
             if len(pending) >= 2 * WORKERS:
                 pending.popleft().result()
-            if ring is None:
-                if piece.key not in views:
-                    views[piece.key] = tensor_bytes(targets[piece.key])
-                staged = None
-                buffer = views[piece.key][piece.start : piece.start + piece.nbytes]
-            else:
-                slot = index % len(ring)
-                if slot_users[slot] is not None:
-                    slot_users[slot].result()  # the piece that used this buffer last is checked (and copied)
-                staged = ring[slot][: piece.nbytes]
-                buffer = staged.numpy()
-            read_exact(handle, piece.file_offset, buffer, file, f"tensor {piece.key!r}")
-            target = targets[piece.key] if targets is not None and staged is not None else None
-            args = (piece, buffer, staged, target, file, verify, progress)
+            buffer, staged = self._buffer_for(index, piece)
+            read_exact(self.handle, piece.file_offset, buffer, self.file, f"tensor {piece.key!r}")
+            target = self.targets[piece.key] if self.targets is not None and staged is not None else None
+            args = (piece, buffer, staged, target, self.file, self.verify, self.progress)
             if piece.nbytes <= _INLINE_BYTES:
                 _finish(*args)
                 continue
-            future = pool.submit(_finish, *args)
-            pending.append(future)
-            if ring is not None:
-                slot_users[slot] = future
+            pending.append(pool.submit(_finish, *args))
+            if self.ring is not None:
+                self.slot_users[index % len(self.ring)] = pending[-1]
         while pending:
             pending.popleft().result()
+
+    def _buffer_for(self, index: int, piece: _Piece) -> tuple[np.ndarray, torch.Tensor | None]:
+        """The destination tensor's own bytes (CPU), or a free ring buffer to stage the piece in."""
+        if self.ring is None:
+            if piece.key not in self.views:
+                self.views[piece.key] = tensor_bytes(self.targets[piece.key])
+            return self.views[piece.key][piece.start : piece.start + piece.nbytes], None
+        slot = index % len(self.ring)
+        if self.slot_users[slot] is not None:
+            self.slot_users[slot].result()  # the piece that used this buffer last is checked (and copied)
+        staged = self.ring[slot][: piece.nbytes]
+        return staged.numpy(), staged
 
 
 def read_exact(handle: ReadHandle, offset: int, buffer: Any, file: str, what: str) -> None:
