@@ -1,70 +1,251 @@
-"""``lazyckpt`` command line: list, verify and inspect checkpoints.
+"""``lazyckpt`` command line: list, inspect, verify and export checkpoints, through the strict reader only.
+
+Exit codes: 0 everything checked is fine, 1 a problem was found (one line per problem), 2 bad usage.
 
 Example:
     $ lazyckpt ls runs/ckpt
-    $ lazyckpt verify runs/ckpt/step-0000120
     $ lazyckpt show runs/ckpt/step-0000120
+    $ lazyckpt verify runs/ckpt/step-0000120
+    $ lazyckpt export runs/ckpt/last.ckpt out/model.safetensors --format safetensors
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import os
 import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.filesize import decimal as human_size
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
-from lazyckpt.format import MANIFEST
-from lazyckpt.loading import latest, verify
-from lazyckpt.retention import committed_steps
+from lazyckpt.export import export_safetensors
+from lazyckpt.format import MANIFEST, STEP_DIR
+from lazyckpt.loading import committed
+from lazyckpt.reader import CheckpointReader
+from lazyckpt.storage import FileKind, LocalStorage, Storage
+
+PROGRESS_MIN_BYTES = 256 << 20
+"""``verify`` shows a progress bar from this many tensor bytes on (smaller ones finish before it would draw)."""
+PROBLEMS = (CheckpointFormatError, CheckpointNotFoundError, OSError)
+"""What a checkpoint or a file system can do wrong; anything else is a bug and keeps its traceback."""
 
 
-def _ls(args: argparse.Namespace) -> int:
-    steps = committed_steps(args.dirpath)
-    newest = latest(args.dirpath)
-    for step, path in sorted(steps.items()):
-        size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
-        print(f"{step:>10}  {size / 1e6:10.1f} MB  {path}{'  (latest)' if path == newest else ''}")
-    if not steps:
-        print(f"no committed checkpoints in {args.dirpath}")
-    return 0
+class _Cli:
+    def __init__(self, storage: Storage, out: Console, err: Console) -> None:
+        self.storage, self.out, self.err = storage, out, err
+
+    def problem(self, message: str) -> None:
+        self.err.print(Text(f"lazyckpt: {message}", style="red"), soft_wrap=True)
+
+    # --- ls -------------------------------------------------------------------------------------------------
+
+    def ls(self, args: argparse.Namespace) -> int:
+        info = self.storage.stat(args.dirpath)
+        if info is not None and info.kind is FileKind.LINK:
+            info = self.storage.stat(self.storage.resolve(args.dirpath))
+        if info is None or info.kind is not FileKind.DIR:
+            self.problem(f"{args.dirpath} is not a directory")
+            return 1
+        steps = committed(args.dirpath, self.storage)
+        if not steps:
+            self.out.print(f"no committed checkpoints in {args.dirpath}")
+            return 0
+        names = self._names(args.dirpath)
+        table = Table("step", "directory", "names", "committed", "size", title=Text(args.dirpath),
+                      title_justify="left")
+        newest = max(steps)
+        for step, path in sorted(steps.items()):
+            labels = ", ".join(sorted(names.get(step, []))) + (" (latest)" if step == newest else "")
+            table.add_row(str(step), Text(os.path.basename(path)), Text(labels.strip()), self._committed_at(path),
+                          human_size(self._size(path)))
+        self.out.print(table)
+        return 0
+
+    def _names(self, dirpath: str) -> dict[int, list[str]]:
+        """Links in ``dirpath`` that name a step directory (Lightning's ``last.ckpt``, top-k names)."""
+        names: dict[int, list[str]] = {}
+        for name in self.storage.list_dir(dirpath):
+            path = os.path.join(dirpath, name)
+            info = self.storage.stat(path)
+            if info is None or info.kind is not FileKind.LINK:
+                continue
+            target = os.path.basename(os.path.normpath(self.storage.read_link(path)))
+            match = STEP_DIR.fullmatch(target)
+            if match:
+                names.setdefault(int(match.group(1)), []).append(name)
+        return names
+
+    def _committed_at(self, path: str) -> str:
+        info = self.storage.stat(os.path.join(path, MANIFEST))
+        return datetime.datetime.fromtimestamp(info.mtime).strftime("%Y-%m-%d %H:%M:%S") if info else "?"
+
+    def _size(self, path: str) -> int:
+        sizes = (self.storage.stat(os.path.join(path, n)) for n in self.storage.list_dir(path))
+        return sum(i.size for i in sizes if i is not None and i.kind is FileKind.FILE)
+
+    # --- show -----------------------------------------------------------------------------------------------
+
+    def show(self, args: argparse.Namespace) -> int:
+        try:
+            reader = CheckpointReader(args.path, self.storage)
+            if not 0 <= args.rank < reader.world_size:
+                self.problem(f"--rank {args.rank} is out of range: {reader.path} has {reader.world_size} rank(s)")
+                return 2
+            state = reader.outline(args.rank)
+        except PROBLEMS as e:
+            self.problem(str(e))
+            return 1
+        top = reader.top
+        title = Text(f"{reader.path}  step {top['step']}, rank {args.rank} of {top['world_size']}, format "
+                     f"{top['format_version']}")
+        root = Tree(title)
+        total = _add_node(root, "state", state, args.depth, 0)
+        root.label = Text.assemble(title, f"  {human_size(total)} of tensors", style="bold")
+        self.out.print(root)
+        self.out.print("tensor bytes were not read; `lazyckpt verify` checks their checksums", style="dim")
+        return 0
+
+    # --- verify ---------------------------------------------------------------------------------------------
+
+    def verify(self, args: argparse.Namespace) -> int:
+        failed = 0
+        for path in args.paths:
+            failed += self._verify_one(path)
+        return 1 if failed else 0
+
+    def _verify_one(self, path: str) -> int:
+        started = time.monotonic()
+        try:
+            reader = CheckpointReader(path, self.storage)
+        except PROBLEMS as e:
+            self.problem(str(e))
+            return 1
+        total, problems, checked = _tensor_bytes(reader), 0, 0
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True,
+                      disable=total < PROGRESS_MIN_BYTES) as bar:
+            task = bar.add_task(f"verifying {os.path.basename(reader.path)}", total=total)
+            for rank in range(reader.world_size):
+                try:
+                    reader.read_rank(rank, load=False, verify=True, progress=lambda n: bar.advance(task, n))
+                    checked += 1
+                except PROBLEMS as e:
+                    problems += 1
+                    self.problem(str(e))
+        seconds = time.monotonic() - started
+        if problems:
+            self.err.print(f"FAILED {reader.path}: {problems} of {reader.world_size} rank(s) have problems",
+                           style="bold red", soft_wrap=True)
+            return 1
+        self.out.print(f"OK {reader.path}: step {reader.top['step']}, {checked} rank(s), {human_size(total)} of "
+                       f"tensor files checked in {seconds:.2f} s", style="green", soft_wrap=True)
+        return 0
 
 
-def _verify(args: argparse.Namespace) -> int:
-    try:
-        verify(args.path)
-    except (CheckpointFormatError, CheckpointNotFoundError) as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        return 1
-    print(f"OK: {args.path}")
-    return 0
+    # --- export ---------------------------------------------------------------------------------------------
+
+    def export(self, args: argparse.Namespace) -> int:
+        try:
+            if args.format == "safetensors":
+                out = export_safetensors(args.path, args.out, key=args.key, storage=self.storage)
+            else:
+                out = _export_lightning(args.path, args.out)
+        except PROBLEMS as e:
+            self.problem(str(e))
+            return 1
+        except ImportError as e:
+            self.problem(f"--format lightning needs Lightning installed (pip install 'lazyckpt[lightning]'): {e}")
+            return 1
+        info = self.storage.stat(out)
+        self.out.print(f"wrote {out} ({human_size(info.size if info else 0)})", soft_wrap=True)
+        return 0
 
 
-def _show(args: argparse.Namespace) -> int:
-    with open(os.path.join(args.path, MANIFEST)) as f:
-        top = json.load(f)
-    print(json.dumps(top, indent=2))
-    with open(os.path.join(args.path, top["ranks"][0])) as f:
-        rank0 = json.load(f)
-    for key, info in rank0["tensors"].items():
-        print(f"  {key:60s} {info['dtype']:5s} {str(info['shape']):20s} {info['capture']}")
-    return 0
+def _export_lightning(path: str, out: str) -> str:
+    from lazyckpt.integrations.lightning import export_checkpoint
+
+    return export_checkpoint(path, out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _tensor_bytes(reader: CheckpointReader) -> int:
+    """About what verify will read, for the progress bar: the sizes of the directory's tensor files."""
+    infos = (reader.storage.stat(os.path.join(reader.path, n)) for n in reader.storage.list_dir(reader.path)
+             if n.endswith(".safetensors"))
+    return sum(i.size for i in infos if i is not None and i.kind is FileKind.FILE)
+
+
+def _children(value: Any) -> Iterator[tuple[str, Any]] | None:
+    if isinstance(value, dict):
+        return ((str(k), v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ((f"[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int) -> int:
+    """Add ``value`` under ``parent`` (children down to ``depth``); returns its tensor bytes."""
+    if isinstance(value, torch.Tensor):
+        nbytes = value.numel() * value.element_size()
+        parent.add(Text.assemble((name, "bold"), f"  {str(value.dtype).removeprefix('torch.')} "
+                                 f"{list(value.shape)}  {human_size(nbytes)}"))
+        return nbytes
+    children = _children(value)
+    if children is None:
+        text = repr(value)
+        parent.add(Text.assemble((name, "bold"), f"  {text if len(text) <= 60 else text[:57] + '...'}",
+                                 style="dim" if value is None else ""))
+        return 0
+    node = parent.add(Text(name))
+    collapsed = depth is not None and level >= depth
+    total, count = 0, 0
+    for key, child in children:
+        total += _add_node(Tree("") if collapsed else node, key, child, depth, level + 1)
+        count += 1
+    kind = type(value).__name__
+    node.label = Text.assemble((name, "bold"), f"  {kind} of {count}", f"  {human_size(total)}" if total else "")
+    return total
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ls", help="list committed checkpoints")
+    p = sub.add_parser("ls", help="list the committed checkpoints of a directory")
     p.add_argument("dirpath")
-    p.set_defaults(fn=_ls)
-    p = sub.add_parser("verify", help="check every rule and checksum of a checkpoint")
+    p.set_defaults(fn=_Cli.ls)
+    p = sub.add_parser("show", help="print a checkpoint's state as a tree (dtype, shape, bytes per subtree)")
     p.add_argument("path")
-    p.set_defaults(fn=_verify)
-    p = sub.add_parser("show", help="print a checkpoint's manifest and tensor index")
+    p.add_argument("--rank", type=int, default=0, help="whose state to show (default 0)")
+    p.add_argument("--depth", type=int, default=None, help="show children down to this depth (default: all)")
+    p.set_defaults(fn=_Cli.show)
+    p = sub.add_parser("verify", help="check every rule and checksum of one or more checkpoints")
+    p.add_argument("paths", nargs="+", metavar="path")
+    p.set_defaults(fn=_Cli.verify)
+    p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt or a model.safetensors")
     p.add_argument("path")
-    p.set_defaults(fn=_show)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    p.add_argument("out")
+    p.add_argument("--format", choices=["lightning", "safetensors"], default="lightning",
+                   help="lightning: a .ckpt that torch.load(weights_only=True) accepts; safetensors: the model's "
+                        "weights under their plain names (default lightning)")
+    p.add_argument("--key", default=None, help="safetensors: the top-level key holding the weights (default: "
+                                               "state_dict, else model)")
+    p.set_defaults(fn=_Cli.export)
+    return parser
+
+
+def main(argv: list[str] | None = None, *, storage: Storage | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cli = _Cli(storage if storage is not None else LocalStorage(), Console(), Console(stderr=True))
+    return args.fn(cli, args)
 
 
 if __name__ == "__main__":

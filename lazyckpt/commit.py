@@ -13,14 +13,14 @@ warning: ``wait()`` and ``latest()`` never disagree.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 
 from lazyckpt._version import __version__
-from lazyckpt.format import MANIFEST, rank_file, rank_manifest, rank_manifest_doc, top_manifest_doc
+from lazyckpt.format import (MANIFEST, encode_manifest, rank_file, rank_manifest, rank_manifest_doc,
+                             top_manifest_doc)
 from lazyckpt.job import CheckpointJob
 from lazyckpt.storage import Storage
 
@@ -36,15 +36,15 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
         return
     wait_for_other_ranks(job, storage, timeout_s)
     top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
-    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), dumps(top), sync=sync)
+    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), encode_manifest(top), sync=sync)
     publish(job, storage, sync=sync)
 
 
 def rank_manifest_bytes(job: CheckpointJob) -> bytes:
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
-                            checksums=job.checksums)
-    return dumps(doc)
+                            checksums=job.checksums, header=job.header)
+    return encode_manifest(doc)
 
 
 def publish(job: CheckpointJob, storage: Storage, *, sync: bool) -> None:
@@ -82,10 +82,6 @@ def wait_for_other_ranks(job: CheckpointJob, storage: Storage, timeout_s: float)
 def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
     """Ranks other than 0: block until rank 0 renamed the directory to its final name."""
     _wait_for(lambda: storage.stat(job.final_dir) is not None, timeout_s, f"rank 0 to commit {job.final_dir}")
-
-
-def dumps(doc: dict) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

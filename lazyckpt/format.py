@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import re
 import struct
 from typing import Any
 
 import torch
 
-from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES, num_chunks
+from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES
 from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
 from lazyckpt.plan import TensorEntry
 
 FORMAT_NAME = "lazyckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 adds the SHA-256 of every manifest and of every tensor file's header; version 1 stays readable."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 HEADER_ALIGN = 4096
 """The data section starts on a 4 KiB boundary (header padded with spaces), ready for direct I/O."""
 MAX_HEADER_BYTES = 100 << 20
 """safetensors' own cap on the JSON header."""
+MAX_MANIFEST_BYTES = 256 << 20
+"""Largest manifest a reader accepts (checked before reading): room for a million tensors' checksums plus
+inline tensors, small enough that a hostile file cannot exhaust memory."""
 STEP_DIR = re.compile(r"step-([0-9]{7,})")
 """Use with ``fullmatch``: ``match`` would accept a trailing newline."""
 
@@ -44,10 +49,15 @@ def dtype_name(dtype: torch.dtype, path: Any = ()) -> str:
                                     f"safetensors cannot store; supported: {sorted(map(str, _DTYPES))}") from None
 
 
-def torch_dtype(name: Any) -> torch.dtype:
+def torch_dtype(name: Any, where: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name read from ``where`` (a file and tensor, for the message)."""
     if not isinstance(name, str) or name not in _TORCH_DTYPES:
-        raise CheckpointFormatError(f"unknown dtype {name!r}; the format knows {sorted(_TORCH_DTYPES)}")
+        raise CheckpointFormatError(f"{where}: unknown dtype {name!r}; the format knows {sorted(_TORCH_DTYPES)}")
     return _TORCH_DTYPES[name]
+
+
+def itemsize(name: str) -> int:
+    return _ITEMSIZE[name]
 
 
 def step_dirname(step: int) -> str:
@@ -80,28 +90,40 @@ def dcp_sharding_metadata(entries: list[TensorEntry]) -> dict[str, str]:
     return {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
 
 
-def read_header(path: str) -> tuple[dict[str, Any], int]:
-    """Parse and check a tensor file's header; returns (tensor entries by key, start of the data section)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointFormatError(f"{path}: {size} bytes is too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
-            raise CheckpointFormatError(f"{path}: header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap")
-        if 8 + length > size:
-            raise CheckpointFormatError(f"{path}: header length {length} runs past the end of the file ({size} bytes)")
-        raw = f.read(length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointFormatError(f"{path}: header is not valid UTF-8 JSON: {e!r}") from e
+def header_length(prefix: bytes, file_size: int, where: str) -> int:
+    """The JSON length N from a tensor file's first 8 bytes, checked against the cap and the file size."""
+    if len(prefix) < 8:
+        raise CheckpointFormatError(f"{where}: {file_size} bytes is too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"{where}: header length {length} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    if 8 + length > file_size:
+        raise CheckpointFormatError(f"{where}: header length {length} runs past the end of the file "
+                                    f"({file_size} bytes)")
+    return length
+
+
+def parse_header(raw: bytes, data_bytes: int, where: str) -> dict[str, Any]:
+    """Check a header's JSON (without the 8-byte prefix); returns its tensor entries by key."""
+    header = parse_json(raw, f"{where}: header")
     if not isinstance(header, dict):
-        raise CheckpointFormatError(f"{path}: header must be a JSON object")
-    header.pop("__metadata__", None)
-    _check_ranges(path, header, size - 8 - length)
-    return header, 8 + length
+        raise CheckpointFormatError(f"{where}: header must be a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFormatError(f"{where}: __metadata__ must map strings to strings")
+    _check_ranges(where, header, data_bytes)
+    return header
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON syntax, huge int literals
+        raise CheckpointFormatError(f"{where} is not valid UTF-8 JSON: {e}") from None
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 _MAX_DIM = 1 << 62
@@ -126,111 +148,67 @@ def numel_of(shape: list[int]) -> int:
     return numel
 
 
-def _check_ranges(path: str, header: dict[str, Any], data_bytes: int) -> None:
+def _check_ranges(where: str, header: dict[str, Any], data_bytes: int) -> None:
     spans = []
     for key, info in header.items():
+        at = f"{where}: tensor {key!r}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise CheckpointFormatError(f"{path}: tensor {key!r} must have exactly dtype, shape and data_offsets")
+            raise CheckpointFormatError(f"{at} must have exactly dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        torch_dtype(dtype)
-        check_shape(shape, f"{path}: tensor {key!r}")
+        torch_dtype(dtype, at)
+        check_shape(shape, at)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise CheckpointFormatError(f"{path}: tensor {key!r} has bad data_offsets {offsets!r}")
+            raise CheckpointFormatError(f"{at} has bad data_offsets {offsets!r}")
         start, end = offsets
         if not 0 <= start <= end or end - start != numel_of(shape) * _ITEMSIZE[dtype]:
-            raise CheckpointFormatError(f"{path}: tensor {key!r} offsets {offsets} do not match {dtype}{shape}")
+            raise CheckpointFormatError(f"{at}: offsets {offsets} do not match {dtype}{shape}")
         spans.append((start, end, key))
     cursor = 0
     for start, end, key in sorted(spans):
         if start != cursor:
             kind = "overlaps the previous tensor" if start < cursor else f"leaves a hole at byte {cursor}"
-            raise CheckpointFormatError(f"{path}: tensor {key!r} {kind} (data_offsets start {start})")
+            raise CheckpointFormatError(f"{where}: tensor {key!r} {kind} (data_offsets start {start})")
         cursor = end
     if cursor != data_bytes:
         state = "truncated" if cursor > data_bytes else "has trailing bytes"
-        raise CheckpointFormatError(f"{path}: file {state}: tensors need {cursor} data bytes, file holds {data_bytes}")
+        raise CheckpointFormatError(f"{where}: file {state}: tensors need {cursor} data bytes, file holds {data_bytes}")
 
 
-# --- manifests --------------------------------------------------------------------------------------------
+# --- manifests (written here, checked in lazyckpt.manifest) -----------------------------------------------
 
-def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree: Any,
+SEAL_FIELD = "manifest_sha256"
+"""The last member of every manifest: SHA-256 of the file without that member (the bytes before
+``,"manifest_sha256"`` followed by ``}``), so any changed byte of a manifest is detected."""
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    """The exact bytes of a manifest file (compact JSON, ASCII). A sealed doc keeps its seal valid."""
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` plus its seal as the last member (any earlier seal is replaced)."""
+    doc = {k: v for k, v in doc.items() if k != SEAL_FIELD}
+    body = encode_manifest(doc)
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise UnsupportedValueError(f"the manifest of step {doc['step']} would take {len(body)} bytes, more than "
+                                    f"the {MAX_MANIFEST_BYTES}-byte limit readers accept; keep large values in "
+                                    "tensors rather than Deferred leaves or plain lists")
+    return {**doc, SEAL_FIELD: sha256_hex(body)}
+
+
+def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree: Any, header: bytes,
                       entries: list[TensorEntry], checksums: dict[str, list[str]]) -> dict[str, Any]:
+    """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding)."""
     tensors = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
                        "checksums": checksums[e.key], "capture": "lazy" if e.lazy else "eager"} for e in entries}
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
-            "world_size": world_size, "file": file, "checksum": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
-            "tensors": tensors, "tree": tree}
+    return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
+                    "world_size": world_size, "file": file,
+                    "checksum": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
+                    "header_sha256": sha256_hex(header), "tensors": tensors, "tree": tree})
 
 
 def top_manifest_doc(*, step: int, world_size: int, library_version: str) -> dict[str, Any]:
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": library_version,
-            "step": step, "world_size": world_size, "ranks": [rank_manifest(r) for r in range(world_size)]}
-
-
-def check_top_manifest(doc: Any, where: str) -> dict[str, Any]:
-    _check_common(doc, where)
-    ranks = doc.get("ranks")
-    if not isinstance(ranks, list) or len(ranks) != doc["world_size"]:
-        raise CheckpointFormatError(f"{where}: 'ranks' must list one manifest per rank (world_size={doc['world_size']})")
-    for name in ranks:
-        check_member_name(name, where)
-    return doc
-
-
-def check_rank_manifest(doc: Any, where: str) -> dict[str, Any]:
-    _check_common(doc, where)
-    check_member_name(doc.get("file"), where)
-    checksum = doc.get("checksum")
-    if checksum != {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}:
-        raise CheckpointFormatError(f"{where}: unsupported checksum {checksum!r}; this reader knows {ALGORITHM}")
-    if type(doc.get("rank")) is not int or not 0 <= doc["rank"] < doc["world_size"]:
-        raise CheckpointFormatError(f"{where}: 'rank' must be an int in [0, world_size), got {doc.get('rank')!r}")
-    if "tree" not in doc:
-        raise CheckpointFormatError(f"{where}: the manifest has no 'tree'")
-    tensors = doc.get("tensors")
-    if not isinstance(tensors, dict):
-        raise CheckpointFormatError(f"{where}: 'tensors' must be an object")
-    for key, info in tensors.items():
-        _check_tensor_entry(info, f"{where}: tensor {key!r}")
-    return doc
-
-
-_TENSOR_FIELDS = {"dtype", "shape", "offsets", "checksums", "capture"}
-
-
-def _check_tensor_entry(info: Any, where: str) -> None:
-    if not isinstance(info, dict) or set(info) != _TENSOR_FIELDS:
-        raise CheckpointFormatError(f"{where} must have exactly the fields {sorted(_TENSOR_FIELDS)}")
-    torch_dtype(info["dtype"])
-    check_shape(info["shape"], where)
-    offsets = info["offsets"]
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-        raise CheckpointFormatError(f"{where} has bad offsets {offsets!r}")
-    sums = info["checksums"]
-    if not isinstance(sums, list) or len(sums) != num_chunks(offsets[1] - offsets[0]) \
-            or not all(isinstance(c, str) for c in sums):
-        raise CheckpointFormatError(f"{where} must list one checksum string per {CHUNK_BYTES}-byte chunk")
-
-
-def _check_common(doc: Any, where: str) -> None:
-    if not isinstance(doc, dict):
-        raise CheckpointFormatError(f"{where}: a manifest must be a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise CheckpointFormatError(f"{where}: 'format' is {doc.get('format')!r}, not {FORMAT_NAME!r}")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise CheckpointFormatError(f"{where}: format_version {doc.get('format_version')!r} is not supported "
-                                    f"(this reader knows {FORMAT_VERSION}); upgrade lazyckpt")
-    for field in ("step", "world_size"):
-        if type(doc.get(field)) is not int or doc[field] < 0:
-            raise CheckpointFormatError(f"{where}: '{field}' must be a non-negative int, got {doc.get(field)!r}")
-    if doc["world_size"] < 1:
-        raise CheckpointFormatError(f"{where}: 'world_size' must be at least 1")
-
-
-def check_member_name(name: Any, where: str) -> str:
-    """A file named by a manifest must be a plain name inside the checkpoint directory."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
-            or os.path.isabs(name) or "\x00" in name:
-        raise CheckpointFormatError(f"{where}: file reference {name!r} must be a plain file name inside the "
-                                    "checkpoint directory (no absolute paths, separators or '..')")
-    return name
+    return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": library_version,
+                    "step": step, "world_size": world_size,
+                    "ranks": [rank_manifest(r) for r in range(world_size)]})

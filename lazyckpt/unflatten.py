@@ -17,95 +17,108 @@ _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).valu
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Rebuild the saved state from its tree and the loaded tensors (keyed as in the safetensors file)."""
-    return _Decoder(tensors).decode(tree)
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor], where: str = "manifest") -> Any:
+    """Rebuild the saved state from its tree and the loaded tensors (keyed as in the safetensors file).
+
+    Errors name ``where`` (the manifest file) and the key path of the bad node, e.g. ``state['model'][0]``.
+    """
+    return _Decoder(tensors, where).decode(tree, "state")
 
 
 class _Decoder:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str) -> None:
         self.tensors = tensors
-        self.tags: dict[str, Callable[[Any], Any]] = {
-            "$dict": self._dict, "$tuple": lambda v: tuple(self.decode(x) for x in self._list(v)),
-            "$float": self._float, "$tensor": self._tensor, "$inline": decode_inline_tensor,
-            "$ndarray": lambda v: self.decode(v).numpy(), "$np_scalar": self._np_scalar,
-            "$torch_dtype": self._torch_dtype, "$torch_device": lambda v: torch.device(self._str(v)),
-            "$path": lambda v: pathlib.Path(self._str(v)), "$namespace": lambda v: argparse.Namespace(**self.decode(v)),
-            "$dataclass": lambda v: self.decode(v["fields"]), "$enum": lambda v: self.decode(v["value"]),
-            "$bytes": lambda v: base64.b64decode(self._str(v), validate=True),
-            "$set": lambda v: {self.decode(x) for x in self._list(v)},
-            "$complex": lambda v: complex(*(self.decode(x) for x in self._list(v))),
+        self.where = where
+        self.tags: dict[str, Callable[[Any, str], Any]] = {
+            "$dict": self._dict, "$tuple": lambda v, p: tuple(self._items(v, p)),
+            "$float": self._float, "$tensor": self._tensor, "$inline": lambda v, p: decode_inline_tensor(v),
+            "$ndarray": lambda v, p: self.decode(v, p).cpu().numpy(), "$np_scalar": self._np_scalar,
+            "$torch_dtype": self._torch_dtype, "$torch_device": lambda v, p: torch.device(self._str(v, p)),
+            "$path": lambda v, p: pathlib.Path(self._str(v, p)),
+            "$namespace": lambda v, p: argparse.Namespace(**self.decode(v, p)),
+            "$dataclass": lambda v, p: self.decode(v["fields"], p), "$enum": lambda v, p: self.decode(v["value"], p),
+            "$bytes": lambda v, p: base64.b64decode(self._str(v, p), validate=True),
+            "$set": lambda v, p: set(self._items(v, p)),
+            "$complex": lambda v, p: complex(*(self._number(x, p) for x in self._items(v, p))),
         }
 
-    def decode(self, node: Any) -> Any:
+    def fail(self, path: str, problem: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.where}: tree at {path}: {problem}")
+
+    def decode(self, node: Any, path: str) -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if isinstance(node, list):
-            return [self.decode(v) for v in node]
+            return [self.decode(v, f"{path}[{i}]") for i, v in enumerate(node)]
         if isinstance(node, dict) and len(node) == 1:
             (tag, value), = node.items()
             handler = self.tags.get(tag)
             if handler is not None:
                 try:
-                    return handler(value)
+                    return handler(value, path)
                 except CheckpointFormatError:
                     raise
                 except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RuntimeError,
                         IndexError) as e:
-                    raise CheckpointFormatError(f"manifest tree: malformed {tag} node {str(value)[:80]!r}: {e}") from e
-        raise CheckpointFormatError(f"manifest tree: unknown node {str(node)[:80]!r}")
+                    raise self.fail(path, f"malformed {tag} node {str(value)[:80]!r}: {e}") from None
+        raise self.fail(path, f"unknown node {str(node)[:80]!r}")
 
-    def _dict(self, items: Any) -> dict:
+    def _items(self, value: Any, path: str) -> list:
+        return [self.decode(x, f"{path}[{i}]") for i, x in enumerate(self._list(value, path))]
+
+    def _dict(self, items: Any, path: str) -> dict:
         out = {}
-        for pair in self._list(items):
-            key, value = self._list(pair)
+        for pair in self._list(items, path):
+            key, value = self._list(pair, path)
             if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise CheckpointFormatError(f"manifest tree: dict key {key!r} is not a str or int")
-            out[key] = self.decode(value)
+                raise self.fail(path, f"dict key {key!r} is not a str or int")
+            out[key] = self.decode(value, f"{path}[{key!r}]")
         return out
 
-    def _tensor(self, key: Any) -> torch.Tensor:
-        if key not in self.tensors:
-            raise CheckpointFormatError(f"manifest tree refers to tensor {key!r}, which the tensor file lacks")
+    def _tensor(self, key: Any, path: str) -> torch.Tensor:
+        if not isinstance(key, str) or key not in self.tensors:
+            raise self.fail(path, f"refers to tensor {str(key)[:80]!r}, which the tensor file lacks")
         return self.tensors[key]
 
-    @staticmethod
-    def _float(value: Any) -> float:
-        if value not in _FLOATS:
-            raise CheckpointFormatError(f"manifest tree: {value!r} is not nan, inf or -inf")
+    def _float(self, value: Any, path: str) -> float:
+        if not isinstance(value, str) or value not in _FLOATS:
+            raise self.fail(path, f"{str(value)[:80]!r} is not nan, inf or -inf")
         return _FLOATS[value]
 
-    def _np_scalar(self, value: Any) -> Any:
-        dtype = np.dtype(self._str(value["dtype"]))
+    def _np_scalar(self, value: Any, path: str) -> Any:
+        dtype = np.dtype(self._str(value["dtype"], path))
         if dtype.kind not in "biuf":
-            raise CheckpointFormatError(f"manifest tree: numpy scalar dtype {dtype} is not allowed")
-        return dtype.type(self.decode(value["value"]))
+            raise self.fail(path, f"numpy scalar dtype {dtype} is not allowed")
+        return dtype.type(self._number(self.decode(value["value"], path), path))
 
-    @staticmethod
-    def _torch_dtype(value: Any) -> torch.dtype:
-        # A fixed table: getattr(torch, name) could import lazy submodules named by the file.
-        if not isinstance(value, str) or value not in _TORCH_DTYPE_NAMES:
-            raise CheckpointFormatError(f"manifest tree: {value!r} is not a torch dtype")
-        return _TORCH_DTYPE_NAMES[value]
-
-    @staticmethod
-    def _list(value: Any) -> list:
-        if not isinstance(value, list):
-            raise CheckpointFormatError(f"manifest tree: expected a list, got {type(value).__name__}")
+    def _number(self, value: Any, path: str) -> bool | int | float:
+        # Never a tensor: a value read from tensor bytes would make decoding depend on data, not structure.
+        if not isinstance(value, (bool, int, float)):
+            raise self.fail(path, f"expected a number, got {type(value).__name__}")
         return value
 
-    @staticmethod
-    def _str(value: Any) -> str:
+    def _torch_dtype(self, value: Any, path: str) -> torch.dtype:
+        # A fixed table: getattr(torch, name) could import lazy submodules named by the file.
+        if not isinstance(value, str) or value not in _TORCH_DTYPE_NAMES:
+            raise self.fail(path, f"{str(value)[:80]!r} is not a torch dtype")
+        return _TORCH_DTYPE_NAMES[value]
+
+    def _list(self, value: Any, path: str) -> list:
+        if not isinstance(value, list):
+            raise self.fail(path, f"expected a list, got {type(value).__name__}")
+        return value
+
+    def _str(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
-            raise CheckpointFormatError(f"manifest tree: expected a string, got {type(value).__name__}")
+            raise self.fail(path, f"expected a string, got {type(value).__name__}")
         return value
 
 
 def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
     from lazyckpt.format import check_shape, numel_of, torch_dtype
 
-    dtype = torch_dtype(value["dtype"])
-    shape = check_shape(value["shape"], "manifest tree: inline tensor")
+    dtype = torch_dtype(value["dtype"], "inline tensor")
+    shape = check_shape(value["shape"], "inline tensor")
     raw = bytearray(base64.b64decode(value["data"], validate=True))
     expected = numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
     if len(raw) != expected:

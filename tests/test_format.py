@@ -1,8 +1,8 @@
-"""The strict reader: corruption, truncation and every malformed header or manifest give a clear error."""
+"""The strict reader: corruption, truncation and every malformed header or manifest give a clear error that
+names the file, and ``verify`` refuses exactly what ``load`` refuses."""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.format import read_header
+from lazyckpt.format import MAX_MANIFEST_BYTES
 
-FILE = "rank-00000-of-00001.safetensors"
+from _forge import FILE, RANK0, downgrade_to_version_1, edit_header, edit_manifest, read_json, reseal
+from conftest import assert_tree_equal
 
 
 @pytest.fixture
@@ -23,22 +24,20 @@ def saved(tmp_path):
     return path
 
 
+def load_and_verify_refuse(path, error=lazyckpt.CheckpointFormatError, match=None):
+    """Both readers refuse, with the same message."""
+    with pytest.raises(error, match=match) as loaded:
+        lazyckpt.load(path)
+    with pytest.raises(error, match=match) as verified:
+        lazyckpt.verify(path)
+    assert str(loaded.value) == str(verified.value)
+    return str(loaded.value)
+
+
 def patch_file(path, offset_from_end, data):
     with open(path, "r+b") as f:
         f.seek(-offset_from_end, os.SEEK_END)
         f.write(data)
-
-
-def rewrite_header(path, mutate):
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        rest = f.read()
-    mutate(header)
-    body = json.dumps(header).encode()
-    body = body.ljust(n, b" ") if len(body) <= n else body
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(body)) + body + rest)
 
 
 def shift_later_tensor(header, delta):
@@ -47,78 +46,118 @@ def shift_later_tensor(header, delta):
     header[later]["data_offsets"] = [start + delta, end + delta]
 
 
-def rewrite_json(path, mutate):
-    doc = json.load(open(path))
-    mutate(doc)
-    json.dump(doc, open(path, "w"))
-
-
-def test_a_flipped_byte_is_detected_and_names_file_and_tensor(saved):
+def test_a_flipped_tensor_byte_is_detected_and_names_file_and_tensor(saved):
     patch_file(os.path.join(saved, FILE), 10, b"\xff")
-    with pytest.raises(lazyckpt.CheckpointCorruptError, match=rf"{FILE}.*tensor '(a|b)'.*chunk 0"):
-        lazyckpt.load(saved)
-    with pytest.raises(lazyckpt.CheckpointCorruptError):
-        lazyckpt.verify(saved)
-    assert lazyckpt.load(saved, verify=False)["n"] == 1, "verify=False skips the checksums"
+    load_and_verify_refuse(saved, lazyckpt.CheckpointCorruptError, rf"{FILE}: tensor '(a|b)'.*chunk 0")
+    assert lazyckpt.load(saved, verify=False)["n"] == 1, "verify=False skips the chunk checksums"
 
 
 def test_truncation_is_detected(saved):
     path = os.path.join(saved, FILE)
     os.truncate(path, os.path.getsize(path) - 7)
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="truncated"):
-        lazyckpt.load(saved)
+    load_and_verify_refuse(saved, match=f"{FILE}: file truncated")
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda h: h["a"].update(dtype="F33"), "unknown dtype 'F33'"),
-    (lambda h: h["a"].update(data_offsets=[0, 8]), "do not match"),
-    (lambda h: shift_later_tensor(h, -8), "overlaps"),
-    (lambda h: h["a"].update(shape=[-1]), "bad shape"),
-    (lambda h: h.pop("b"), "hole|trailing|disagree"),
+    (lambda h: h["a"].update(dtype="FB2"), f"{FILE}: tensor 'a'.*unknown dtype 'FB2'"),
+    (lambda h: h["a"].update(data_offsets=[0, 8]), f"{FILE}: tensor 'a'.*do not match"),
+    (lambda h: shift_later_tensor(h, -8), f"{FILE}: tensor '(a|b)' overlaps"),
+    (lambda h: h["a"].update(shape=[-1]), f"{FILE}: tensor 'a' has a bad shape"),
+    (lambda h: h.pop("b"), f"{FILE}.*(hole|trailing|disagree)"),
+    (lambda h: h.update(__metadata__={"format": 1}), f"{FILE}: __metadata__ must map strings to strings"),
 ])
-def test_malformed_headers_give_clear_errors(saved, mutate, message):
-    rewrite_header(os.path.join(saved, FILE), mutate)
-    with pytest.raises(lazyckpt.CheckpointFormatError, match=message):
-        lazyckpt.load(saved)
+def test_malformed_headers_give_errors_naming_file_and_tensor(saved, mutate, message):
+    edit_header(saved, mutate)
+    load_and_verify_refuse(saved, match=message)
+
+
+def test_a_changed_header_byte_is_detected_by_its_checksum(saved):
+    path = os.path.join(saved, FILE)
+    with open(path, "r+b") as f:
+        f.seek(4000)  # header padding: still valid JSON, so only the checksum can tell
+        f.write(b"\t")
+    load_and_verify_refuse(saved, match=f"{FILE}: header is corrupt.*header_sha256")
 
 
 def test_oversized_or_overlong_header_lengths_are_refused(saved):
     path = os.path.join(saved, FILE)
     with open(path, "r+b") as f:
         f.write(struct.pack("<Q", 1 << 40))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="exceeds"):
-        read_header(path)
+    load_and_verify_refuse(saved, match=f"{FILE}: header length .* exceeds")
     with open(path, "r+b") as f:
         f.write(struct.pack("<Q", os.path.getsize(path)))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="past the end"):
-        read_header(path)
+    load_and_verify_refuse(saved, match="past the end")
 
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "a/b.safetensors"])
 def test_file_references_outside_the_checkpoint_are_refused(saved, name):
-    rewrite_json(os.path.join(saved, "rank-00000.json"), lambda d: d.update(file=name))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="plain file name"):
-        lazyckpt.load(saved)
+    edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(file=name))
+    load_and_verify_refuse(saved, match=f"{RANK0}.*plain file name")
 
 
 def test_missing_tensor_file_and_manifest_disagreement_are_reported(saved):
-    rewrite_json(os.path.join(saved, "rank-00000.json"), lambda d: d["tensors"]["a"].update(shape=[999]))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="disagree about tensor 'a'"):
-        lazyckpt.load(saved)
+    edit_manifest(os.path.join(saved, RANK0), lambda d: d["tensors"]["a"].update(shape=[999]))
+    load_and_verify_refuse(saved, match="disagree about tensor 'a'")
     os.remove(os.path.join(saved, FILE))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="missing"):
-        lazyckpt.load(saved)
+    load_and_verify_refuse(saved, match=f"{FILE} is missing")
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format_version=99), "format_version 99"),
-    (lambda d: d.update(format="other"), "'format'"),
-    (lambda d: d.update(world_size=2), "one manifest per rank"),
+    (lambda d: d.update(format_version=99), "format version 99.*cannot read"),
+    (lambda d: d.update(format="other"), "field 'format' is 'other'"),
+    (lambda d: d.update(world_size=2), "field 'ranks' must list one rank manifest per rank"),
+    (lambda d: d.update(extra=1), r"unknown \['extra'\]"),
+    (lambda d: d.pop("library_version"), r"missing \['library_version'\]"),
 ])
-def test_malformed_manifests_give_clear_errors(saved, mutate, message):
-    rewrite_json(os.path.join(saved, "manifest.json"), mutate)
-    with pytest.raises(lazyckpt.CheckpointFormatError, match=message):
-        lazyckpt.load(saved)
+def test_malformed_top_manifests_give_errors_naming_the_field(saved, mutate, message):
+    edit_manifest(os.path.join(saved, "manifest.json"), mutate)
+    load_and_verify_refuse(saved, match=f"manifest.json.*{message}")
+
+
+@pytest.mark.parametrize("tree, message", [
+    ({"$dict": [["x", {"__reduce__": ["os.system", ["id"]]}]]}, r"tree at state\['x'\]: unknown node"),
+    ({"$dict": [["w", {"$tensor": "../../etc/passwd"}]]}, r"tree at state\['w'\]: refers to tensor '../../etc/passwd'"),
+    ({"$pickle": "gASV"}, "tree at state: unknown node"),
+    ({"$tuple": [1, {"$complex": [{"$tensor": "a"}, 0]}]}, r"tree at state\[1\]: expected a number"),
+])
+def test_verify_refuses_every_tree_that_load_refuses(saved, tree, message):
+    edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(tree=tree))
+    load_and_verify_refuse(saved, match=f"{RANK0}: {message}")
+
+
+def test_a_flipped_byte_in_a_manifest_key_is_detected(saved):
+    path = os.path.join(saved, RANK0)
+    raw = open(path, "rb").read()
+    at = raw.index(b'"n"') + 1  # the dict key "n" of the tree
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"m")
+    load_and_verify_refuse(saved, match=f"{RANK0} is corrupt.*manifest_sha256")
+
+
+def test_a_manifest_larger_than_the_limit_is_refused_before_reading(saved):
+    os.truncate(os.path.join(saved, RANK0), MAX_MANIFEST_BYTES + 1)  # sparse: reading it would take seconds
+    load_and_verify_refuse(saved, match=f"{RANK0} holds {MAX_MANIFEST_BYTES + 1} bytes, more than")
+
+
+@pytest.mark.parametrize("name", [RANK0, FILE, "manifest.json"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(saved, name):
+    os.remove(os.path.join(saved, name))
+    os.mkfifo(os.path.join(saved, name))
+    load_and_verify_refuse(saved, match=f"{name} is not a regular file")
+
+
+@pytest.mark.parametrize("name", [RANK0, "manifest.json"])
+def test_manifests_linked_from_outside_the_checkpoint_are_refused(saved, tmp_path, name):
+    outside = tmp_path / f"elsewhere-{name}"
+    os.replace(os.path.join(saved, name), outside)
+    os.symlink(outside, os.path.join(saved, name))
+    load_and_verify_refuse(saved, match=f"{name} is a symbolic link")
+
+
+def test_a_link_to_a_checkpoint_directory_is_followed(saved, tmp_path):
+    os.symlink(saved, tmp_path / "last")
+    assert lazyckpt.load(tmp_path / "last")["n"] == 1
 
 
 def test_partial_or_missing_directories_are_not_checkpoints(tmp_path, saved):
@@ -127,11 +166,46 @@ def test_partial_or_missing_directories_are_not_checkpoints(tmp_path, saved):
     partial = tmp_path / "c" / "step-0000009.partial"
     partial.mkdir()
     with pytest.raises(lazyckpt.CheckpointNotFoundError):
-        lazyckpt.load(partial)
+        lazyckpt.verify(partial)
     assert lazyckpt.latest(tmp_path / "c") == saved
 
 
-def test_the_tree_decoder_rejects_unknown_tags(saved):
-    rewrite_json(os.path.join(saved, "rank-00000.json"), lambda d: d.update(tree={"$pickle": "gASV"}))
-    with pytest.raises(lazyckpt.CheckpointFormatError, match="unknown node"):
-        lazyckpt.load(saved)
+def test_latest_ignores_steps_whose_manifest_is_not_a_regular_file(tmp_path, saved):
+    fake = tmp_path / "c" / "step-0000099"
+    fake.mkdir()
+    os.symlink(os.path.join(saved, "manifest.json"), fake / "manifest.json")
+    assert lazyckpt.latest(tmp_path / "c") == saved
+
+
+def test_checkpoints_of_format_version_1_stay_readable(saved):
+    expected = lazyckpt.load(saved)
+    downgrade_to_version_1(saved)
+    assert read_json(os.path.join(saved, RANK0))["format_version"] == 1
+    assert_tree_equal(lazyckpt.load(saved), expected)
+    lazyckpt.verify(saved)
+
+
+def test_a_version_2_manifest_relabelled_as_version_1_is_refused(saved):
+    edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(format_version=1), seal=False)
+    load_and_verify_refuse(saved, match=r"unknown \['header_sha256', 'manifest_sha256'\]")
+
+
+def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
+    """The forging helper the other tests rely on changes nothing by itself."""
+    expected = lazyckpt.load(saved)
+    reseal(saved)
+    assert_tree_equal(lazyckpt.load(saved), expected)
+
+
+def test_a_checkpoint_written_by_format_version_1_loads_and_verifies(tmp_path):
+    """tests/data/format-v1 was written by the previous release (format version 1, no seals)."""
+    import math
+    import shutil
+
+    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "format-v1", "step-0000007"),
+                           tmp_path / "step-0000007")
+    state = lazyckpt.load(path)
+    assert torch.equal(state["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert torch.equal(state["model"]["b"], torch.ones(2, dtype=torch.bfloat16))
+    assert state["step"] == 7 and state["pair"] == (1, "x") and math.isnan(state["lr"])
+    lazyckpt.verify(path)

@@ -1,0 +1,161 @@
+"""Strict checks of manifest files: the seal over their bytes, then a table of fields per kind and version.
+
+The tables are the schema of docs/FORMAT.md (rules 10-14): a field the table does not list is refused, so a new
+field is added by adding one row (and, for a field old readers must not ignore, a new format version).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES, num_chunks
+from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.format import (FORMAT_NAME, READABLE_VERSIONS, SEAL_FIELD, check_shape, parse_json, sha256_hex,
+                             torch_dtype)
+
+Check = Callable[[Any, str, dict[str, Any]], None]
+"""A field check: (value, where (file and field, for the message), the whole document)."""
+
+_SEAL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}\Z')
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _fail(where: str, problem: str) -> None:
+    raise CheckpointFormatError(f"{where} {problem}")
+
+
+def _int_at_least(low: int) -> Check:
+    def check(value: Any, where: str, doc: dict[str, Any]) -> None:
+        if type(value) is not int or value < low:
+            _fail(where, f"must be an int >= {low}, got {value!r}")
+    return check
+
+
+def _equals(expected: Any) -> Check:
+    def check(value: Any, where: str, doc: dict[str, Any]) -> None:
+        if value != expected:
+            _fail(where, f"is {value!r}; this reader knows {expected!r}")
+    return check
+
+
+def _string(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not isinstance(value, str):
+        _fail(where, f"must be a string, got {type(value).__name__}")
+
+
+def _sha256(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        _fail(where, "must be 64 lowercase hex digits")
+
+
+def _rank(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if type(value) is not int or not 0 <= value < doc["world_size"]:
+        _fail(where, f"must be an int in [0, world_size={doc['world_size']}), got {value!r}")
+
+
+def _member(value: Any, where: str, doc: dict[str, Any]) -> None:
+    check_member_name(value, where)
+
+
+def _ranks(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not isinstance(value, list) or len(value) != doc["world_size"]:
+        _fail(where, f"must list one rank manifest per rank (world_size={doc['world_size']})")
+    for name in value:
+        check_member_name(name, where)
+
+
+def _anything(value: Any, where: str, doc: dict[str, Any]) -> None:
+    """The tree is checked by decoding it (lazyckpt.unflatten), which load and verify both do."""
+
+
+def _tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not isinstance(value, dict):
+        _fail(where, "must be an object")
+    for key, info in value.items():
+        check_fields(info, _TENSOR, f"{where} tensor {key!r}")
+        sums, (start, end) = info["checksums"], info["offsets"]
+        if not isinstance(sums, list) or len(sums) != num_chunks(end - start) \
+                or not all(isinstance(c, str) and _HEX16.fullmatch(c) for c in sums):
+            _fail(f"{where} tensor {key!r}", f"must list one 16-hex-digit checksum per {CHUNK_BYTES}-byte chunk")
+
+
+def _dtype(value: Any, where: str, doc: dict[str, Any]) -> None:
+    torch_dtype(value, where)
+
+
+def _shape(value: Any, where: str, doc: dict[str, Any]) -> None:
+    check_shape(value, where)
+
+
+def _offsets(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not (isinstance(value, list) and len(value) == 2 and all(type(o) is int for o in value)
+            and 0 <= value[0] <= value[1]):
+        _fail(where, f"must be [start, end] with 0 <= start <= end, got {value!r}")
+
+
+_TENSOR: dict[str, Check] = {
+    "dtype": _dtype, "shape": _shape, "offsets": _offsets, "checksums": _anything,
+    "capture": lambda v, where, doc: None if v in ("lazy", "eager") else _fail(where, "must be 'lazy' or 'eager'"),
+}
+_COMMON: dict[str, Check] = {
+    "format": _equals(FORMAT_NAME), "format_version": _anything, "step": _int_at_least(0),
+    "world_size": _int_at_least(1),
+}
+_TOP_V1 = {**_COMMON, "library_version": _string, "ranks": _ranks}
+_RANK_V1 = {**_COMMON, "rank": _rank, "file": _member,
+            "checksum": _equals({"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}), "tensors": _tensors,
+            "tree": _anything}
+SCHEMAS: dict[tuple[str, int], dict[str, Check]] = {
+    ("top", 1): _TOP_V1,
+    ("rank", 1): _RANK_V1,
+    ("top", 2): {**_TOP_V1, SEAL_FIELD: _sha256},
+    ("rank", 2): {**_RANK_V1, "header_sha256": _sha256, SEAL_FIELD: _sha256},
+}
+"""Fields by (manifest kind, format version); checked in this order (``rank`` after ``world_size``)."""
+
+
+def parse_manifest(raw: bytes, where: str, kind: str) -> dict[str, Any]:
+    """Parse and check the bytes of a manifest (``kind`` "top" for manifest.json, "rank" for rank-NNNNN.json)."""
+    doc = parse_json(raw, where)
+    if not isinstance(doc, dict):
+        _fail(where, "must hold a JSON object")
+    version = doc.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        _fail(where, f"has format version {version!r}, which this reader cannot read (it reads versions "
+                     f"{list(READABLE_VERSIONS)}); upgrade lazyckpt")
+    if version >= 2:
+        _check_seal(raw, doc, where)
+    check_fields(doc, SCHEMAS[kind, version], where)
+    return doc
+
+
+def check_fields(doc: Any, schema: dict[str, Check], where: str) -> None:
+    if not isinstance(doc, dict):
+        _fail(where, "must be a JSON object")
+    missing, unknown = [f for f in schema if f not in doc], sorted(set(doc) - set(schema))
+    if missing or unknown:
+        _fail(where, f"must have exactly the fields {list(schema)}: missing {missing}, unknown {unknown}")
+    for field, check in schema.items():
+        check(doc[field], f"{where} field {field!r}", doc)
+
+
+def _check_seal(raw: bytes, doc: dict[str, Any], where: str) -> None:
+    found = _SEAL.search(raw)
+    if found is None:
+        _fail(where, f'does not end with its "{SEAL_FIELD}" member; the file was changed or cut short')
+    actual = sha256_hex(raw[: found.start()] + b"}")
+    if actual != found.group(1).decode() or doc.get(SEAL_FIELD) != actual:
+        raise CheckpointFormatError(f"{where} is corrupt: its bytes hash to {actual}, the file records "
+                                    f"{found.group(1).decode()} ({SEAL_FIELD})")
+
+
+def check_member_name(name: Any, where: str) -> str:
+    """A file named by a manifest must be a plain name inside the checkpoint directory."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\x00" in name:
+        raise CheckpointFormatError(f"{where}: file reference {name!r} must be a plain file name inside the "
+                                    "checkpoint directory (no absolute paths, separators or '..')")
+    return name

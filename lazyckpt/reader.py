@@ -1,0 +1,210 @@
+"""The strict reader of one checkpoint directory. ``load`` and ``verify`` both run it, so whatever one refuses
+the other refuses: they differ only in where tensor bytes land (the caller's tensors, or a reused buffer).
+
+Every file access goes through a :class:`~lazyckpt.storage.Storage`. Before a file is opened its kind is checked
+without following links: only regular files inside the checkpoint directory are read (a FIFO would block
+``open``, a link could lead outside), and manifests are size-capped before a byte is read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.format import (MANIFEST, MAX_MANIFEST_BYTES, PARTIAL_SUFFIX, header_length, parse_header,
+                             sha256_hex, torch_dtype)
+from lazyckpt.manifest import check_member_name, parse_manifest
+from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
+from lazyckpt.tensor_io import read_exact, read_tensor_bytes
+from lazyckpt.unflatten import unflatten
+
+Progress = Callable[[int], None]
+"""Called with the number of tensor bytes just read and checked."""
+
+
+@dataclass
+class RankFile:
+    """A rank's checked manifest and its open tensor file, header checked against the manifest."""
+
+    manifest: str
+    doc: dict[str, Any]
+    file: str
+    handle: ReadHandle
+    data_start: int
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class CheckpointReader:
+    """One committed checkpoint directory, opened strictly.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint directory.
+        CheckpointFormatError: a file breaks a rule of docs/FORMAT.md; the message names the file and the tensor,
+            field or key path.
+    """
+
+    def __init__(self, path: str, storage: Storage | None = None) -> None:
+        self.storage = storage if storage is not None else LocalStorage()
+        self.path = self._checkpoint_dir(path)
+        top = os.path.join(self.path, MANIFEST)
+        if self.storage.stat(top) is None:
+            raise CheckpointNotFoundError(f"{path} is not a committed lazyckpt checkpoint (no {MANIFEST}); pass a "
+                                          "step-NNNNNNN directory, e.g. lazyckpt.latest(dirpath)")
+        self.top = self._manifest(MANIFEST, "top", "the checkpoint directory")
+
+    @property
+    def world_size(self) -> int:
+        return self.top["world_size"]
+
+    def _checkpoint_dir(self, path: str) -> str:
+        info = self.storage.stat(path)
+        if info is not None and info.kind is FileKind.LINK:  # e.g. a "last" alias: the link itself is the user's
+            path = self.storage.resolve(path)
+            info = self.storage.stat(path)
+        if path.rstrip("/").endswith(PARTIAL_SUFFIX) or info is None or info.kind is not FileKind.DIR:
+            raise CheckpointNotFoundError(f"{path} is not a committed lazyckpt checkpoint directory (missing, "
+                                          "partial or not a directory); pass a step-NNNNNNN directory")
+        return path
+
+    def member(self, name: Any, named_by: str) -> tuple[str, FileInfo]:
+        """A regular file of the checkpoint directory, named by ``named_by`` (a file, for messages)."""
+        check_member_name(name, named_by)
+        full = os.path.join(self.path, name)
+        info = self.storage.stat(full)
+        if info is None:
+            raise CheckpointFormatError(f"{full} is missing (named by {named_by})")
+        if info.kind is not FileKind.FILE:
+            what = "a symbolic link" if info.kind is FileKind.LINK else f"not a regular file ({info.kind.value})"
+            raise CheckpointFormatError(f"{full} is {what}; lazyckpt reads only regular files inside the "
+                                        "checkpoint directory")
+        return full, info
+
+    def _manifest(self, name: Any, kind: str, named_by: str) -> dict[str, Any]:
+        full, info = self.member(name, named_by)
+        if info.size > MAX_MANIFEST_BYTES:
+            raise CheckpointFormatError(f"{full} holds {info.size} bytes, more than the {MAX_MANIFEST_BYTES}-byte "
+                                        "limit for a manifest; it is not a lazyckpt manifest")
+        try:
+            raw = self.storage.read_bytes(full, max_bytes=MAX_MANIFEST_BYTES)
+        except ValueError as e:  # grew past the limit since the stat
+            raise CheckpointFormatError(f"{full}: {e}") from None
+        except OSError as e:
+            raise OSError(e.errno, f"{full}: reading the manifest failed: {e.strerror or e}") from e
+        return parse_manifest(raw, full, kind)
+
+    def open_rank(self, rank: int) -> RankFile:
+        """Read and check rank ``rank``'s manifest and tensor file header (no tensor bytes yet)."""
+        name = self.top["ranks"][rank]
+        doc = self._manifest(name, "rank", os.path.join(self.path, MANIFEST))
+        where = os.path.join(self.path, name)
+        _match_top(where, self.top, doc, rank)
+        file, _ = self.member(doc["file"], where)
+        handle = _open(self.storage, file)
+        try:
+            data_start = _check_header(handle, file, doc, where)
+        except BaseException:
+            handle.close()
+            raise
+        return RankFile(where, doc, file, handle, data_start)
+
+    def read_rank(self, rank: int, *, load: bool, verify: bool, map_location: torch.device | None = None,
+                  progress: Progress | None = None) -> Any:
+        """The decoded state of ``rank`` (``load``), or ``None`` after checking everything (``load=False``)."""
+        opened = self.open_rank(rank)
+        try:
+            entries = opened.doc["tensors"]
+            if load:
+                tensors = _allocate(opened, map_location if map_location is not None else torch.device("cpu"))
+            else:
+                tensors = placeholders(opened)
+            read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
+                              tensors if load else None, verify=verify, progress=progress)
+            state = unflatten(opened.doc["tree"], tensors, opened.manifest)
+        finally:
+            opened.close()
+        return state if load else None
+
+    def outline(self, rank: int) -> Any:
+        """The decoded state of ``rank`` with every tensor a placeholder of the right dtype and shape (no tensor
+        bytes are read); the checks are those of :meth:`read_rank` except the chunk checksums."""
+        opened = self.open_rank(rank)
+        try:
+            return unflatten(opened.doc["tree"], placeholders(opened), opened.manifest)
+        finally:
+            opened.close()
+
+
+def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:
+    """Stand-ins with each tensor's dtype and shape and no memory behind them: the decoder checks structure only,
+    so it refuses the same trees with these as with the real tensors."""
+    return {k: torch.zeros((), dtype=_dtype(opened, k, e)).expand(e["shape"])
+            for k, e in opened.doc["tensors"].items()}
+
+
+def _allocate(opened: RankFile, device: torch.device) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for key, entry in opened.doc["tensors"].items():
+        try:
+            tensors[key] = torch.empty(entry["shape"], dtype=_dtype(opened, key, entry), device=device)
+        except (RuntimeError, MemoryError) as e:  # e.g. a huge tensor in a sparse file
+            raise MemoryError(f"{opened.file}: cannot allocate tensor {key!r} {entry['shape']} on {device}: "
+                              f"{e}") from None
+    return tensors
+
+
+def _dtype(opened: RankFile, key: str, entry: dict[str, Any]) -> torch.dtype:
+    return torch_dtype(entry["dtype"], f"{opened.manifest}: tensor {key!r}")
+
+
+def _open(storage: Storage, file: str) -> ReadHandle:
+    try:
+        return storage.open_read(file)
+    except OSError as e:  # replaced by a non-regular file since the stat
+        raise CheckpointFormatError(f"{file} cannot be opened as a regular file: {e}") from None
+
+
+def _read_exact(handle: ReadHandle, offset: int, nbytes: int, file: str, what: str) -> bytes:
+    buffer = bytearray(nbytes)
+    read_exact(handle, offset, buffer, file, what)
+    return bytes(buffer)
+
+
+def _check_header(handle: ReadHandle, file: str, doc: dict[str, Any], where: str) -> int:
+    """Check the tensor file's header against its checksum and the manifest; returns the data section's start."""
+    prefix = _read_exact(handle, 0, min(8, handle.size), file, "the header length")
+    length = header_length(prefix, handle.size, file)
+    raw = _read_exact(handle, 8, length, file, "the header")
+    if "header_sha256" in doc and sha256_hex(prefix + raw) != doc["header_sha256"]:
+        raise CheckpointFormatError(f"{file}: header is corrupt: its bytes hash to {sha256_hex(prefix + raw)}, "
+                                    f"{where} records {doc['header_sha256']} (header_sha256)")
+    header = parse_header(raw, handle.size - 8 - length, file)
+    _match_manifest(where, file, doc["tensors"], header)
+    return 8 + length
+
+
+def _match_top(where: str, top: dict[str, Any], doc: dict[str, Any], rank: int) -> None:
+    mine = (doc["format_version"], doc["step"], doc["world_size"], doc["rank"])
+    expected = (top["format_version"], top["step"], top["world_size"], rank)
+    if mine != expected:
+        raise CheckpointFormatError(f"{where} says format_version/step/world_size/rank {mine}; the checkpoint's "
+                                    f"{MANIFEST} expects {expected}")
+
+
+def _match_manifest(where: str, file: str, tensors: dict[str, Any], header: dict[str, Any]) -> None:
+    if set(tensors) != set(header):
+        missing, extra = sorted(set(tensors) - set(header)), sorted(set(header) - set(tensors))
+        raise CheckpointFormatError(f"{where} and {file} disagree: manifest-only tensors {missing[:5]}, "
+                                    f"file-only tensors {extra[:5]}")
+    for key, info in tensors.items():
+        h = header[key]
+        if [info["dtype"], info["shape"], info["offsets"]] != [h["dtype"], h["shape"], h["data_offsets"]]:
+            raise CheckpointFormatError(f"{where} and {file} disagree about tensor {key!r}: manifest "
+                                        f"{info['dtype']}{info['shape']}@{info['offsets']}, file "
+                                        f"{h['dtype']}{h['shape']}@{h['data_offsets']}")

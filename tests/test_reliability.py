@@ -1,0 +1,24 @@
+"""The reliability suite at CI size (fixed seeds); ``tests/reliability.py`` runs the same engines for long."""
+
+from __future__ import annotations
+
+import pytest
+
+from reliability import corrupt_every_file, fuzz, kill_at_random, make_template
+
+
+def test_fuzzed_headers_and_manifests_are_refused_cleanly_and_identically_by_load_and_verify(tmp_path):
+    counts = fuzz(300, seed=1, workdir=str(tmp_path))
+    assert counts["cases"] == 300 and counts["refused"] > 250, counts
+
+
+def test_a_changed_byte_in_any_file_of_a_checkpoint_is_detected_by_load_and_verify(tmp_path):
+    path = make_template(str(tmp_path))
+    counts = corrupt_every_file(path, per_file=48)
+    assert counts["files"] == 5 and counts["flips"] >= 5 * 48, counts
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_always_leaves_a_loadable_latest_checkpoint(tmp_path):
+    counts = kill_at_random(str(tmp_path), kills=4, seed=1)
+    assert counts["kills"] == 4 and counts["latest_step"] >= 1, counts
