@@ -13,6 +13,7 @@ becomes a second name of the same step), ``_remove_checkpoint`` (a top-k evictio
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,3 +99,24 @@ def inner_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside an ``AcceleratedOptimizer``: the wrapper never calls ``Optimizer.__init__``, so
     torch's step hooks and a plain ``state_dict`` live on the wrapped one."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+_UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def refuse_unsupported_accelerator(accelerator: Any) -> None:
+    """Raise unless ``accelerator`` prepared something, in one process group, without sharded state."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind in _UNSUPPORTED:
+        raise ValueError(f"LazyCheckpointHook does not support distributed_type={kind}: its state is sharded "
+                         "or owned by the engine; use accelerator.save_state() there")
+    prepared_objects = prepared(accelerator)
+    if not prepared_objects.models and not prepared_objects.optimizers:
+        raise RuntimeError("hook.register(accelerator) found no prepared model or optimizer; call "
+                           "accelerator.prepare(...) first")
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched != accelerator.num_processes:
+        raise RuntimeError(f"the launcher started WORLD_SIZE={launched} processes but the Accelerator runs "
+                           f"{accelerator.num_processes}; each would write rank 0 of its own checkpoint. Without "
+                           "CUDA, pass Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1) so they form one gloo "
+                           "group")

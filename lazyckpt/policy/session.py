@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -64,14 +65,16 @@ class CheckpointSession:
         """Training-thread seconds each checkpoint cost, by step: capture, request and the first barrier."""
         return dict(self._stalls)
 
-    def save(self, step: int, *, replicated: Mapping[str, Any], per_rank: Mapping[str, Any],
+    def save(self, step: int, *, replicated: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+             per_rank: Mapping[str, Any],
              optimizers: Iterable[torch.optim.Optimizer] = (), immutable: Iterable[Any] = (),
              started: float | None = None) -> PendingCheckpoint:
         """Request the checkpoint of ``step`` on this rank.
 
         ``replicated`` values are the same on every rank (a DDP model, its optimizer), so rank 0 alone writes them,
         with their ``optimizers`` and ``immutable`` tensors copied lazily; every rank writes its ``per_rank`` values
-        (RNG states, loader positions) into its own file of the same checkpoint.
+        (RNG states, loader positions) into its own file of the same checkpoint. ``replicated`` may be a function:
+        then only rank 0 builds it.
 
         Args:
             started: when capturing this checkpoint began (``time.monotonic()``), if before this call; that time
@@ -79,7 +82,8 @@ class CheckpointSession:
         """
         started = time.monotonic() if started is None else started
         if self.rank == 0:
-            state, optimizers, immutable = {**replicated, **per_rank}, list(optimizers), list(immutable)
+            shared = replicated() if callable(replicated) else replicated
+            state, optimizers, immutable = {**shared, **per_rank}, list(optimizers), list(immutable)
         else:
             state, optimizers, immutable = dict(per_rank), [], []
         pending = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
@@ -109,6 +113,16 @@ class CheckpointSession:
         for step in removed:
             logger.info("lazyckpt: removed step %d (nothing keeps it)", step)
         return removed
+
+    def resumed(self, step: int, path: str) -> None:
+        """Note that the run continues from ``step`` (restored from ``path``); warns when newer checkpoints exist,
+        because saving a step that is already committed fails."""
+        newer = [s for s in committed_steps(self.dirpath) if s > step]
+        if newer:
+            warnings.warn(f"lazyckpt: resumed {path}, but step {max(newer)} is newer in {self.dirpath}; saving a step "
+                          "that is already committed fails, so move the newer checkpoints away before training on",
+                          RuntimeWarning, stacklevel=3)
+        logger.info("lazyckpt: resumed step %d from %s", step, path)
 
     def close(self) -> None:
         """Finish the checkpoints in flight and release the directory (re-raises a background failure)."""
