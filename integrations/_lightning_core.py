@@ -237,10 +237,9 @@ class LazyCheckpointMixin:
                 self.stats.append(done.stats)
             if trainer is None or not trainer.is_global_zero:
                 continue
-            if done.stats is not None and self.log_stats:
-                for lg in trainer.loggers:
-                    lg.log_metrics(checkpoint_metrics(done.stats), step=done.step)
             for lg in trainer.loggers:
+                if done.stats is not None and self.log_stats:
+                    lg.log_metrics(checkpoint_metrics(done.stats), step=done.step)
                 lg.after_save_checkpoint(proxy(self))
 
 

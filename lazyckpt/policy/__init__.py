@@ -24,5 +24,5 @@ from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.steps import StepCounter
 
-__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter", "capture_rng",
-           "check_fits", "checkpoint_metrics", "differences", "find_generators", "restore_rng"]
+__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter",
+           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "find_generators", "restore_rng"]
