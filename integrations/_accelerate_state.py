@@ -1,88 +1,171 @@
-"""What LazyCheckpointHook reads from Accelerate objects, and pure checks of a checkpoint against this run."""
+"""What ``LazyCheckpointHook`` reads from and restores into the objects an ``Accelerator`` prepared.
+
+Every process writes its own RNG states and loader positions; the models, optimizers, schedulers, scaler and
+registered objects are replicated, so process 0 alone writes them (``CheckpointSession.save`` decides that).
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lazyckpt import latest, load
+from lazyckpt.policy import RunLayout, capture_rng, check_fits, find_generators, restore_rng
+
+from . import _compat
 
 FORMAT = "lazyckpt.accelerate/1"
 """Tag stored in every checkpoint the hook writes; ``resume()`` refuses trees without it."""
 
 
-def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    """Every way the checkpoint's rank-0 tree differs from this run's layout (pure; empty when it fits)."""
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
-        return [(f"it was not written by LazyCheckpointHook (format {found!r}, expected {FORMAT!r}); load it "
-                 "with lazyckpt.load(path) instead")]
-    problems = []
-    if saved["world_size"] != here["world_size"]:
-        problems.append(f"it was written by {saved['world_size']} process(es), this run has {here['world_size']} "
-                        "(RNG and sampler states are per process; resume with the same number of processes)")
-    kinds = saved["kinds"]
-    for what in ("models", "optimizers", "schedulers", "objects"):
-        if kinds[what] != here["kinds"][what]:
-            problems.append(f"{what}: the checkpoint holds {kinds[what]}, this run registered {here['kinds'][what]}")
-    if kinds["generators"] != here["kinds"]["generators"]:
-        problems.append(f"dataloader generators: the checkpoint holds {kinds['generators']}, this run has "
-                        f"{here['kinds']['generators']}")
-    if len(saved["dataloaders"]) != here["dataloaders"]:
-        problems.append(f"dataloaders: the checkpoint holds {len(saved['dataloaders'])}, this run prepared "
-                        f"{here['dataloaders']}")
-    for index, (state, shapes) in enumerate(zip(saved["models"], here["models"])):
-        problems += _model_differences(f"model {index} ({kinds['models'][index]})", state, shapes)
-    for index, (state, groups) in enumerate(zip(saved["optimizers"], here["optimizers"])):
-        saved_groups = [len(g["params"]) for g in state["param_groups"]]
-        if saved_groups != groups:
-            problems.append(f"optimizer {index}: parameter groups hold {saved_groups} parameters in the checkpoint "
-                            f"and {groups} here")
-    return problems
+@dataclass
+class Boundary:
+    """What must be read at the step boundary itself, before the next batch is fetched."""
+
+    step: int
+    per_process: dict[str, Any]
+    started: float
 
 
-def _model_differences(name: str, state: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> list[str]:
-    problems = []
-    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-    if missing:
-        problems.append(f"{name}: keys missing from the checkpoint: {_few(missing)}")
-    if unexpected:
-        problems.append(f"{name}: keys only in the checkpoint: {_few(unexpected)}")
-    for key in sorted(set(state) & set(shapes)):
-        shape, dtype = shapes[key]
-        got = state[key]
-        if tuple(got.shape) != shape or got.dtype != dtype:
-            problems.append(f"{name}: {key!r} is {str(got.dtype).removeprefix('torch.')}{list(got.shape)} in the "
-                            f"checkpoint and {str(dtype).removeprefix('torch.')}{list(shape)} here")
-    return problems
+@dataclass
+class PreparedRun:
+    """The accelerator and what it prepared, as the hook checkpoints them. Models and optimizers are those
+    prepared before ``hook.register``; schedulers, loaders and registered objects are read when needed."""
+
+    accelerator: Any
+    models: list[torch.nn.Module]
+    """The prepared models, unwrapped (DDP and ``torch.compile`` wrappers removed)."""
+    prepared_optimizers: list[Any]
+    hook: Any
+    """The hook itself: registered for ``save_state`` too, but its step is stored once, not as an object."""
+
+    @classmethod
+    def of(cls, accelerator: Any, hook: Any) -> PreparedRun:
+        prepared = _compat.prepared(accelerator)
+        models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in prepared.models]
+        return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [_compat.inner_optimizer(o) for o in self.prepared_optimizers]
+
+    @property
+    def schedulers(self) -> list[Any]:
+        return _compat.prepared(self.accelerator).schedulers
+
+    @property
+    def dataloaders(self) -> list[Any]:
+        return _compat.prepared(self.accelerator).dataloaders
+
+    @property
+    def objects(self) -> list[Any]:
+        return [o for o in _compat.prepared(self.accelerator).objects if o is not self.hook]
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return find_generators(self.dataloaders, "dataloader")
+
+    # --- capture ----------------------------------------------------------------------------------------------
+
+    def boundary(self, step: int) -> Boundary:
+        """This process's RNG states and loader positions as of the end of the current iteration."""
+        started = time.monotonic()
+        accelerator = self.accelerator
+        active = [id(dl) for dl in accelerator.gradient_state.dataloader_references if dl is not None]
+        loaders = [_loader_position(dl, id(dl) in active) for dl in self.dataloaders]
+        per_process = {"format": FORMAT, "step": step, "world_size": accelerator.num_processes,
+                       "process_index": accelerator.process_index, "accelerator_step": int(accelerator.step),
+                       "rng": capture_rng(self.generators()), "dataloaders": loaders}
+        return Boundary(step=step, per_process=per_process, started=started)
+
+    def replicated(self) -> dict[str, Any]:
+        scaler = getattr(self.accelerator, "scaler", None)
+        return {
+            "models": [m.state_dict() for m in self.models],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "scaler": None if scaler is None else scaler.state_dict(),
+            "objects": [o.state_dict() for o in self.objects],
+            "kinds": self.kinds(),
+        }
+
+    def kinds(self) -> dict[str, list[str]]:
+        """Class names of what is registered (and generator names): the first thing a mismatch shows."""
+        return {
+            "models": [type(m).__name__ for m in self.models],
+            "optimizers": [type(o).__name__ for o in self.optimizers],
+            "schedulers": [type(getattr(s, "scheduler", s)).__name__ for s in self.schedulers],
+            "objects": [type(o).__name__ for o in self.objects],
+            "generators": sorted(self.generators()),
+        }
+
+    # --- the fit check and the restore ------------------------------------------------------------------------
+
+    def layouts(self, saved: Any) -> tuple[RunLayout, RunLayout, list[str]]:
+        """``(the checkpoint's layout, this run's, problems found before comparing them)``."""
+        kinds = self.kinds()
+        names = [f"model {i} ({kind})" for i, kind in enumerate(kinds["models"])]
+        here = RunLayout(world_size=self.accelerator.num_processes, kinds=kinds, dataloaders=len(self.dataloaders),
+                         models={n: m.state_dict() for n, m in zip(names, self.models)},
+                         param_groups=[[len(g["params"]) for g in o.param_groups] for o in self.optimizers])
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+            return RunLayout(), here, [f"it was not written by LazyCheckpointHook (format {found!r}, expected "
+                                       f"{FORMAT!r}); load it with lazyckpt.load(path) instead"]
+        there = RunLayout(world_size=saved["world_size"], kinds=saved["kinds"], dataloaders=len(saved["dataloaders"]),
+                          models=dict(zip(names, saved["models"])),
+                          param_groups=[[len(g["params"]) for g in o["param_groups"]] for o in saved["optimizers"]])
+        return there, here, []
+
+    def newest(self, dirpath: str) -> str | None:
+        """The newest committed checkpoint, as process 0 sees it: every process must restore the same one."""
+        chosen = [latest(dirpath) if self.accelerator.is_main_process else None]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(chosen, from_process=0)
+        return chosen[0]
+
+    def restore_from(self, path: str, *, verify: bool) -> dict[str, Any]:
+        """Check that the checkpoint at ``path`` fits, then restore it; returns its shared (process 0) tree.
+
+        Raises:
+            CheckpointMismatchError: it does not fit (nothing was changed).
+        """
+        shared = load(path, verify=verify)
+        saved, here, problems = self.layouts(shared)
+        check_fits(path, saved, here, problems=problems)
+        index = self.accelerator.process_index
+        self.restore(shared, shared if index == 0 else load(path, verify=verify, rank=index))
+        return shared
+
+    def restore(self, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        for model, saved in zip(self.models, shared["models"]):
+            model.load_state_dict(saved)
+        for optimizer, saved in zip(self.optimizers, shared["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.schedulers, shared["schedulers"]):
+            scheduler.load_state_dict(saved)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and shared["scaler"] is not None:
+            scaler.load_state_dict(shared["scaler"])
+        for obj, saved in zip(self.objects, shared["objects"]):
+            obj.load_state_dict(saved)
+        for dl, saved in zip(self.dataloaders, own["dataloaders"]):
+            if hasattr(dl, "iteration"):
+                dl.iteration = saved["iteration"]
+            if saved["state"] is not None:
+                dl.load_state_dict(saved["state"])
+        restore_rng(own["rng"], self.generators())
+        self.accelerator.step = own["accelerator_step"]
 
 
-def _few(keys: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    # AcceleratedOptimizer never calls Optimizer.__init__, so torch's step hooks live on the wrapped optimizer.
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def loader_position(dl: Any, active: bool) -> dict[str, Any]:
+def _loader_position(dl: Any, active: bool) -> dict[str, Any]:
     """Epoch counter (and state, for stateful loaders) as of the end of the current iteration."""
     iteration = int(getattr(dl, "iteration", 0))
     if active and getattr(dl, "end_of_dataloader", False):
         iteration += 1  # the last batch was yielded; the loader bumps its epoch only when the loop asks again
     state = dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
     return {"iteration": iteration, "state": state}
-
-
-def loader_generators(dl: Any) -> list[torch.Generator]:
-    """The distinct generators a prepared dataloader draws from (its sampler's, the synchronized one, its own)."""
-    from accelerate.data_loader import get_sampler
-
-    candidates = [getattr(dl, "synchronized_generator", None), getattr(get_sampler(dl), "generator", None),
-                  getattr(dl, "generator", None)]
-    unique: dict[int, torch.Generator] = {}
-    for gen in candidates:
-        if isinstance(gen, torch.Generator):
-            unique.setdefault(id(gen), gen)
-    return list(unique.values())

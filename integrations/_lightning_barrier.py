@@ -7,10 +7,14 @@ has to come *before* any callback that updates or overwrites weights in the same
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
+from typing_extensions import override
+
 logger = logging.getLogger(__name__)
+_WEIGHT_WRITERS = ("StochasticWeightAveraging", "WeightAveraging")
 
 
 class LazyBarrierMixin:
@@ -21,19 +25,34 @@ class LazyBarrierMixin:
         super().__init__()
         self.owner = owner
 
+    def install(self, trainer: Any, namespace: str) -> bool:
+        """Put this callback first in ``trainer.callbacks``; returns whether a weight-averaging callback there
+        writes weights at epoch start (then the barrier runs there too)."""
+        if self not in trainer.callbacks:
+            # A new list, not insert(): Lightning is iterating over the old one while it calls setup().
+            trainer.callbacks = [self, *trainer.callbacks]
+        callbacks = importlib.import_module(f"{namespace}.callbacks")
+        writers = tuple(getattr(callbacks, n) for n in _WEIGHT_WRITERS if hasattr(callbacks, n))
+        return any(isinstance(cb, writers) for cb in trainer.callbacks)
+
+    @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self.owner.wait_staged()
 
+    @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.owner.wait_staged()
 
+    @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.owner.wait_at_epoch_start:  # StochasticWeightAveraging writes weights here
             self.owner.wait_staged()
 
+    @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.owner.wait_staged()
 
+    @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         try:
             self.owner.wait_staged()

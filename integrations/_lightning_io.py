@@ -1,6 +1,6 @@
-"""Framework-neutral pieces of the Lightning integration: reading lazyckpt checkpoints as Lightning checkpoint
-dicts, exporting them to plain ``.ckpt`` files, loading weights into a module, RNG states in a form that
-``torch.load(weights_only=True)`` accepts, and the CheckpointIO that resume goes through.
+"""The Lightning checkpoint dict and lazyckpt: reading lazyckpt checkpoints as Lightning checkpoint dicts,
+exporting them to plain ``.ckpt`` files, loading weights into a module, the per-rank RNG states, the lazy request
+of a step, and the CheckpointIO that resume goes through.
 
 Nothing here imports ``lightning`` or ``pytorch_lightning``; the two bindings add their base classes.
 
@@ -18,16 +18,16 @@ import logging
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 
 import lazyckpt
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.engine import PendingCheckpoint
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, StepAlreadyCommittedError
+from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
 
-if TYPE_CHECKING:
-    from collections.abc import Mapping
+from . import _compat
 
 logger = logging.getLogger(__name__)
 
@@ -124,53 +124,38 @@ def load_from_checkpoint(cls: type, path: str | os.PathLike[str], **kwargs: Any)
     return cls.load_from_checkpoint(buffer, **kwargs)
 
 
-def check_fits(checkpoint: Mapping[str, Any], module: torch.nn.Module, path: str, *, strict: bool) -> None:
-    """Raise a clear error when the checkpoint's weights cannot belong to ``module``."""
-    saved = checkpoint.get("state_dict", {})
-    current = module.state_dict()
-    missing = sorted(set(current) - set(saved)) if strict else []
-    unexpected = sorted(set(saved) - set(current)) if strict else []
-    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(current[k].shape)}" for k in current
-              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != current[k].shape]
-    if missing or unexpected or shapes:
-        raise RuntimeError(
-            f"checkpoint {path} was not saved from this model ({type(module).__name__}): "
-            f"{len(missing)} missing key(s) {missing[:5]}, {len(unexpected)} unexpected key(s) {unexpected[:5]}, "
-            f"{len(shapes)} shape mismatch(es) {shapes[:3]}")
+# ------------------------------------------------------------------------------------------ the run's own state
+def per_rank_extra(trainer: Any) -> dict[str, Any]:
+    """lazyckpt's additions to this rank's Lightning checkpoint: RNG states (train loaders' generators included)."""
+    generators = find_generators(_compat.train_loaders(trainer), "train")
+    return {"rng": capture_rng(generators), "rank": trainer.global_rank, "world_size": trainer.world_size,
+            "version": lazyckpt.__version__}
 
 
-# ------------------------------------------------------------------------------------------ RNG states
-def capture_rng(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """:func:`lazyckpt.capture_rng_state` with numpy's key array as an int64 tensor (``weights_only``-safe)."""
-    state = lazyckpt.capture_rng_state(generators)
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-    return state
+def restore_train_rng(trainer: Any, rng: dict[str, Any]) -> None:
+    """Restore the RNG states a checkpoint captured, at the start of training.
+
+    Lightning created the train iterator (drawing from the RNGs) before ``on_train_start``; after the restore the
+    iterator is created again so its draws match the uninterrupted run. A stateful loader already got its own state
+    from Lightning: re-creating its iterator would lose it.
+    """
+    loaders = _compat.train_loaders(trainer)
+    restore_rng(rng, find_generators(loaders, "train"))
+    if not any(callable(getattr(dl, "load_state_dict", None)) for dl in loaders):
+        _compat.restart_train_iterator(trainer)
 
 
-def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -> list[str]:
-    """Restore what :func:`capture_rng` captured; returns the names of the generators it restored."""
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    state["numpy"] = (name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached)
-    saved = state.get("generators") or {}
-    common = {k: g for k, g in generators.items() if k in saved}
-    lazyckpt.restore_rng_state(state, common)
-    return sorted(common)
-
-
-def find_generators(loaders: list[Any]) -> dict[str, torch.Generator]:
-    """The ``torch.Generator`` objects that drive the train loaders' shuffling, by a stable name."""
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-    for i, loader in enumerate(loaders):
-        holders = {"loader": loader, "sampler": getattr(loader, "sampler", None),
-                   "batch_sampler.sampler": getattr(getattr(loader, "batch_sampler", None), "sampler", None)}
-        for where, holder in holders.items():
-            gen = getattr(holder, "generator", None)
-            if isinstance(gen, torch.Generator) and id(gen) not in seen:
-                seen.add(id(gen))
-                found[f"train[{i}].{where}"] = gen
-    return found
+def request_snapshot(session: CheckpointSession, trainer: Any, step: int, *,
+                     weights_only: bool) -> PendingCheckpoint | None:
+    """Request the checkpoint ``trainer.save_checkpoint`` would write, lazily (None: the step exists already)."""
+    checkpoint = _compat.dump_checkpoint(trainer, weights_only)
+    frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
+    try:  # DDP replicates the model and optimizer; every rank has its own RNG states
+        return session.save(step, replicated=checkpoint, per_rank={EXTRA_KEY: checkpoint.get(EXTRA_KEY)},
+                            optimizers=trainer.optimizers, immutable=frozen)
+    except StepAlreadyCommittedError as e:
+        warnings.warn(f"lazyckpt: not saving step {step}: {e}", RuntimeWarning, stacklevel=4)
+        return None
 
 
 # ------------------------------------------------------------------------------------------ CheckpointIO
@@ -183,6 +168,15 @@ class LazyCheckpointIOMixin:
         super().__init__()
         self.base = base
         self._owner = weakref.ref(owner) if owner is not None else (lambda: None)
+
+    @classmethod
+    def install(cls, trainer: Any, owner: Any) -> None:
+        """Wrap the strategy's CheckpointIO (or adopt an instance given in ``Trainer(plugins=...)``)."""
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, cls):
+            io._owner = weakref.ref(owner)
+        else:
+            trainer.strategy.checkpoint_io = cls(io, owner=owner)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -197,8 +191,11 @@ class LazyCheckpointIOMixin:
         rank = trainer.global_rank if trainer is not None else 0
         checkpoint = to_lightning_checkpoint(path, rank=rank, map_location=map_location)
         module = trainer.lightning_module if trainer is not None else None
-        if module is not None:
-            check_fits(checkpoint, module, os.fspath(path), strict=getattr(module, "strict_loading", True))
+        if module is not None:  # Lightning's load_state_dict converts dtypes, so only keys and shapes must match
+            name = f"model ({type(module).__name__})"
+            check_fits(os.fspath(path), RunLayout(models={name: checkpoint.get("state_dict", {})}),
+                       RunLayout(models={name: module.state_dict()}), dtypes=False,
+                       strict=getattr(module, "strict_loading", True))
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -12,10 +12,29 @@ See docs/lightning.md for the hooks, the options, DDP and resume guarantees.
 
 from __future__ import annotations
 
-from ._lightning_bindings import bind
-from ._lightning_io import export_checkpoint, load_from_checkpoint, load_weights, to_lightning_checkpoint
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-LazyCheckpoint, LazyCheckpointIO, _LazyBarrier = bind("lightning.pytorch", "lightning.fabric", __name__)
+from ._lightning_barrier import LazyBarrierMixin
+from ._lightning_core import LazyCheckpointMixin
+from ._lightning_io import (LazyCheckpointIOMixin, export_checkpoint, load_from_checkpoint, load_weights,
+                            to_lightning_checkpoint)
+
+
+class LazyCheckpointIO(LazyCheckpointIOMixin, CheckpointIO):
+    __doc__ = LazyCheckpointIOMixin.__doc__
+
+
+class _LazyBarrier(LazyBarrierMixin, Callback):
+    __doc__ = LazyBarrierMixin.__doc__
+
+
+class LazyCheckpoint(LazyCheckpointMixin, ModelCheckpoint):
+    __doc__ = LazyCheckpointMixin.__doc__
+    _namespace = "lightning.pytorch"
+    _io_class = LazyCheckpointIO
+    _barrier_class = _LazyBarrier
+
 
 __all__ = ["LazyCheckpoint", "LazyCheckpointIO", "export_checkpoint", "load_from_checkpoint", "load_weights",
            "to_lightning_checkpoint"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.storage import FileKind, LocalStorage, Storage
@@ -32,9 +33,18 @@ def _is_committed(storage: Storage, path: str) -> bool:
     return here is not None and here.kind is FileKind.DIR and manifest is not None and manifest.kind is FileKind.FILE
 
 
-def steps_to_purge(steps: list[int], keep_last_k: int | None, *, just_committed: int) -> list[int]:
-    """Steps to remove so that the newest ``keep_last_k`` remain; never the one just committed."""
-    if keep_last_k is None:
-        return []
+def steps_to_purge(steps: list[int], keep_last_k: int | None, *, just_committed: int,
+                   protected: Collection[int] = (), released: Collection[int] = ()) -> list[int]:
+    """Committed steps to remove, newest first.
+
+    A step is removed when it is beyond the newest ``keep_last_k`` or when its caller ``released`` it (e.g. the
+    last name pointing at it was dropped), unless it is ``protected`` (named, resumed from, still in flight), among
+    the newest ``keep_last_k``, or the one just committed: keeping always wins over removing.
+    """
     newest_first = sorted(steps, reverse=True)
-    return [s for s in newest_first[keep_last_k:] if s != just_committed]
+    doomed = set(released)
+    kept = {just_committed, *protected}
+    if keep_last_k is not None:
+        doomed.update(newest_first[keep_last_k:])
+        kept.update(newest_first[:keep_last_k])
+    return [s for s in newest_first if s in doomed and s not in kept]

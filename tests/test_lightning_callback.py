@@ -13,7 +13,7 @@ from _lightning_helpers import make_module_class, namespace, run
 from lazyckpt.integrations.lightning import export_checkpoint, load_from_checkpoint, load_weights
 
 import lazyckpt
-from lazyckpt.errors import CheckpointCorruptError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from lazyckpt.storage import LocalStorage
 
 pl, LazyCheckpoint = namespace("lightning")
@@ -100,7 +100,8 @@ def test_a_bad_ckpt_path_gives_a_clear_error(tmp_path):
         resume(partial)
     with pytest.raises(CheckpointNotFoundError, match="directory of checkpoints.*step-0000016"):
         resume(tmp_path / "ckpt")
-    with pytest.raises(RuntimeError, match="not saved from this model.*shape mismatch"):
+    with pytest.raises(CheckpointMismatchError, match=r"model \(TinyModel\): 'net\.0\.weight' is float32\[16, 8\] "
+                       r"in the checkpoint and float32\[32, 8\] here"):
         resume(good, hidden=32)
     data_file = next(f for f in os.listdir(good) if f.endswith(".safetensors"))
     with open(os.path.join(good, data_file), "r+b") as f:
@@ -179,4 +180,4 @@ def test_sharded_strategies_are_refused_with_what_is_supported(tmp_path, name):
     strategy = getattr(pl.strategies, name)()
     trainer = type("T", (), {"strategy": strategy})()
     with pytest.raises(NotImplementedError, match="Supported: a single device.*DDP"):
-        LazyCheckpoint(tmp_path)._refuse_unsupported(trainer)
+        LazyCheckpoint(tmp_path).setup(trainer, None, "fit")

@@ -42,7 +42,7 @@ def _fit_both(tmp_path, max_epochs=4, trainer_kwargs=None, **options):
     pytest.param(dict(filename="{epoch:02d}-{val_loss:.3f}", monitor="val_loss", save_top_k=3), id="filename"),
     pytest.param(dict(save_on_train_epoch_end=True, save_last=True), id="save-on-train-epoch-end"),
 ])
-def test_the_same_checkpoint_names_as_model_checkpoint(tmp_path, options):
+def test_lazy_checkpoint_keeps_the_same_names_as_model_checkpoint(tmp_path, options):
     plain, lazy = _fit_both(tmp_path, **options)
     assert _names(tmp_path / "lazy") == _names(tmp_path / "plain")
     assert os.path.basename(lazy.best_model_path) == os.path.basename(plain.best_model_path)

@@ -1,0 +1,122 @@
+"""Every private Lightning and Accelerate attribute the integrations use, each with the reason it is needed.
+
+Supported versions are the ranges in ``pyproject.toml`` (``lightning``/``pytorch_lightning`` 2.4–2.6,
+``accelerate`` 1.x up to 1.15); a new release is checked against this file first. Nothing else in
+``integrations/`` reads a private attribute of either framework.
+
+``LazyCheckpoint`` also overrides four private methods of ``ModelCheckpoint`` (marked ``@override``):
+``_save_checkpoint`` (a save becomes a planned name and one lazy request), ``_link_checkpoint`` (``save_last``
+becomes a second name of the same step), ``_remove_checkpoint`` (a top-k eviction waits for the next commit) and
+``_find_last_checkpoints`` (``ckpt_path="last"`` means the newest committed step directory).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# --- Lightning ------------------------------------------------------------------------------------------------
+
+_REFUSED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+
+def refuse_unsupported_strategy(namespace: str, strategy: Any) -> None:
+    """Raise unless ``strategy`` is a single device or DDP: FSDP, DeepSpeed and ModelParallel save sharded
+    collectives that bypass the CheckpointIO and the snapshot path."""
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    refused = tuple(getattr(strategies, n) for n in _REFUSED if hasattr(strategies, n))
+    if isinstance(strategy, refused) or not isinstance(strategy, (strategies.SingleDeviceStrategy,
+                                                                   strategies.DDPStrategy)):
+        raise NotImplementedError(
+            f"LazyCheckpoint does not support {type(strategy).__name__} yet: FSDP, DeepSpeed and ModelParallel "
+            "checkpoints are sharded collectives that bypass its snapshot path. Supported: a single device "
+            "(strategy='auto') and DDP (strategy='ddp'). Use ModelCheckpoint with those strategies.")
+
+
+def resolve_checkpoint_dir(callback: Any, trainer: Any) -> Any:
+    """The directory ``ModelCheckpoint`` would use. ``ckpt_path="last"`` is resolved before ``setup()`` sets
+    ``dirpath``, and ModelCheckpoint's rule (explicit path, logger's directory, ``default_root_dir``) is private."""
+    return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+
+
+def model_checkpoint_fs(callback: Any) -> Any:
+    """ModelCheckpoint's fsspec file system (``_fs``): its version counter asks whether a name exists through it."""
+    return callback._fs
+
+
+def record_saved(callback: Any, step: int, filepath: str) -> None:
+    """What ``ModelCheckpoint._save_checkpoint`` records after a save, which our override replaces: the step (so
+    the same step is not saved twice) and the path (``save_last="link"`` links to it)."""
+    callback._last_global_step_saved = step
+    callback._last_checkpoint_saved = filepath
+
+
+def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
+    """The dict ``trainer.save_checkpoint`` would write (every callback's ``on_save_checkpoint`` included), without
+    writing it: the public method always hands it to the CheckpointIO synchronously."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only)
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The train loaders the fit loop iterates over; their samplers' generators are part of the RNG state."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def restart_train_iterator(trainer: Any) -> None:
+    """Create the train iterator again. Lightning created it (drawing from the RNGs) before ``on_train_start``,
+    where the restored RNG states arrive; the fetcher that owns it has no public handle."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        iter(fetcher)
+
+
+# --- Accelerate -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``accelerator.prepare`` and ``register_for_checkpointing`` registered, in registration order."""
+
+    models: list[Any]
+    optimizers: list[Any]
+    schedulers: list[Any]
+    dataloaders: list[Any]
+    objects: list[Any]
+
+
+def prepared(accelerator: Any) -> Prepared:
+    """Accelerate keeps what it prepared in private lists (``save_state`` reads them the same way) and offers no
+    public accessor; the hook must checkpoint exactly what ``save_state`` would."""
+    return Prepared(models=list(accelerator._models), optimizers=list(accelerator._optimizers),
+                    schedulers=list(accelerator._schedulers), dataloaders=list(accelerator._dataloaders),
+                    objects=list(accelerator._custom_objects))
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside an ``AcceleratedOptimizer``: the wrapper never calls ``Optimizer.__init__``, so
+    torch's step hooks and a plain ``state_dict`` live on the wrapped one."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+_UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def refuse_unsupported_accelerator(accelerator: Any) -> None:
+    """Raise unless ``accelerator`` prepared something, in one process group, without sharded state."""
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind in _UNSUPPORTED:
+        raise ValueError(f"LazyCheckpointHook does not support distributed_type={kind}: its state is sharded "
+                         "or owned by the engine; use accelerator.save_state() there")
+    prepared_objects = prepared(accelerator)
+    if not prepared_objects.models and not prepared_objects.optimizers:
+        raise RuntimeError("hook.register(accelerator) found no prepared model or optimizer; call "
+                           "accelerator.prepare(...) first")
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched != accelerator.num_processes:
+        raise RuntimeError(f"the launcher started WORLD_SIZE={launched} processes but the Accelerator runs "
+                           f"{accelerator.num_processes}; each would write rank 0 of its own checkpoint. Without "
+                           "CUDA, pass Accelerator(cpu=True) (or set ACCELERATE_USE_CPU=1) so they form one gloo "
+                           "group")

@@ -1,0 +1,28 @@
+"""The checkpoint policy of a training run, shared by every integration (framework-neutral: imports no framework).
+
+One :class:`CheckpointSession` per process and training run owns the engine and the decisions around it; the
+Lightning and Accelerate adapters only translate framework events into calls on it (docs/design.md,
+"Integration policy layer").
+
+| module | owns |
+|---|---|
+| ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction |
+| ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
+| ``steps`` | :class:`StepCounter`: steps from optimizer updates, and when a checkpoint is due |
+| ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
+| ``aliases`` | the names on disk (links through the storage seam) |
+| ``randomness`` | RNG states and the generators behind data loaders |
+| ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
+"""
+
+from __future__ import annotations
+
+from lazyckpt.policy.fit import RunLayout, check_fits, differences
+from lazyckpt.policy.names import CheckpointNames, Committed
+from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
+from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
+from lazyckpt.policy.steps import StepCounter
+
+__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter",
+           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "find_generators", "restore_rng"]

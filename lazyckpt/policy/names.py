@@ -1,0 +1,179 @@
+"""Named checkpoints: names that follow a checkpoint's commit, and retention that keeps what a name points at.
+
+A framework may think in names (Lightning's ``ModelCheckpoint`` in file names built from its ``filename``
+template: ``epoch=1-step=40.ckpt``, ``last.ckpt``) while the engine writes ``dirpath/step-NNNNNNN/``. Each name
+becomes a relative link to its step directory (:mod:`lazyckpt.policy.aliases`), created only once that step is
+committed; a dropped name is removed only once the checkpoint planned with the drop is committed. Several names
+may point at one step. A step directory is deleted when its last name is gone and ``keep_last_k`` does not keep
+it: the names become the steps to protect of :meth:`CheckpointSession.purge`.
+
+One step's names are planned while the framework decides (:meth:`CheckpointNames.plan`, ``copy``, ``drop``),
+the snapshot is requested once (:meth:`~CheckpointNames.submit`), and :meth:`~CheckpointNames.poll` publishes
+the committed ones, oldest first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lazyckpt.engine import PendingCheckpoint
+from lazyckpt.format import step_dirname
+from lazyckpt.job import CheckpointStats
+from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
+from lazyckpt.policy.session import CheckpointSession
+
+logger = logging.getLogger(__name__)
+Action = tuple[str, str, "int | None"]
+"""``("link", name, step)`` or ``("remove", name, None)``."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """One lazy save of a step and the name changes that must wait for its commit."""
+
+    step: int
+    pending: PendingCheckpoint | None = None
+    actions: list[Action] = field(default_factory=list)
+    submitted: bool = False
+    finished: bool = False
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A requested checkpoint that :meth:`CheckpointNames.poll` found committed."""
+
+    step: int
+    stats: CheckpointStats | None
+
+
+class CheckpointNames:
+    """The names of one session's checkpoints and the requests whose commit they wait for.
+
+    Args:
+        session: the run's session (rank 0 alone changes names and deletes).
+        resumed_from: returns the path the run resumed from, never deleted.
+    """
+
+    def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None) -> None:
+        self._session = session
+        self._resumed_from = resumed_from
+        self._names: dict[str, int] = {}
+        self._requests: list[_Request] = []
+        self._current: _Request | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    # --- planning one step's names --------------------------------------------------------------------------
+
+    def plan(self, step: int, name: str) -> None:
+        """``name`` will point at the checkpoint of ``step``, once committed (one request per step)."""
+        if self._current is None or self._current.step != step:
+            self._current = _Request(step)
+        if not self._current.skipped:  # a skipped step gets no names (nothing was written)
+            self._names[name] = step
+            self._add(self._current, ("link", name, step))
+
+    def copy(self, name: str, new_name: str) -> None:
+        """``new_name`` will point where ``name`` points, once that step is committed."""
+        step = self._names.get(name)
+        if step is None or os.path.abspath(name) == os.path.abspath(new_name):
+            return
+        self._names[new_name] = step
+        waiting = [r for r in (*self._requests, self._current) if r is not None and r.step == step]
+        self._add(waiting[-1] if waiting else None, ("link", new_name, step))
+
+    def drop(self, name: str) -> None:
+        """Remove ``name`` once the checkpoint being planned is committed."""
+        self._names.pop(name, None)
+        self._add(self._current, ("remove", name, None))
+
+    # --- requests and their completion ----------------------------------------------------------------------
+
+    def submit(self, save: Callable[[int], PendingCheckpoint | None]) -> list[Committed]:
+        """Request the planned step's snapshot with ``save(step)`` (None or a skipped handle: nothing was saved,
+        and the names it planned are dropped, keeping the ones they would replace); returns :meth:`poll`'s."""
+        request = self._current
+        if request is None or request.submitted:
+            return []
+        request.submitted = True
+        request.pending = save(request.step)
+        if request.pending is None or request.pending.skipped:
+            for kind, name, _ in request.actions:
+                if kind == "link":
+                    self._names.pop(name, None)
+            request.actions.clear()
+            request.finished = request.skipped = True
+            return []
+        self._requests.append(request)
+        return self.poll()  # a save may have finished the previous request first (on_busy="wait")
+
+    def poll(self, *, block: bool = False, limit: int | None = None) -> list[Committed]:
+        """Publish the requests that are committed (all of them when ``block``), oldest first; returns them.
+
+        A failed request is dropped with its name changes; the engine raises its failure at its next call.
+        """
+        committed: list[Committed] = []
+        while self._requests and (limit is None or len(committed) < limit):
+            request = self._requests[0]
+            if not block and not request.pending.done():
+                break
+            self._requests.pop(0)
+            request.finished = True
+            if request.pending.failed or request.pending.wait() is None:
+                continue
+            stats = next((s for s in reversed(self._session.engine.stats) if s.step == request.step), None)
+            self._publish(request)
+            committed.append(Committed(request.step, stats))
+        return committed
+
+    def close(self, report: Callable[[list[Committed]], None], *, raise_errors: bool) -> None:
+        """Publish every request (``report`` gets the committed ones), then close the session. The first failure
+        is raised when ``raise_errors``, else logged: a run that is failing already keeps its own exception."""
+        error = None
+        try:
+            while self._requests:  # one at a time, so the ones before a failure are reported
+                report(self.poll(block=True, limit=1))
+        except BaseException as e:  # noqa: BLE001 - re-raised below or logged
+            error = e
+        finally:
+            self._requests.clear()
+            self._current = None
+            try:
+                self._session.close()
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        if error is not None and raise_errors:
+            raise error
+        if error is not None:
+            logger.error("lazyckpt: an in-flight checkpoint failed while the run was stopping: %r", error)
+
+    # --- publishing (rank 0) ----------------------------------------------------------------------------------
+
+    def _add(self, request: _Request | None, action: Action) -> None:
+        if request is not None and not request.finished:
+            request.actions.append(action)
+        else:  # nothing to wait for: the step it names is committed already
+            self._publish(_Request(-1, actions=[action], finished=True))
+
+    def _publish(self, request: _Request) -> None:
+        """Rank 0, after a commit: put names in place, drop replaced ones, delete what nothing keeps."""
+        if self._session.rank != 0:
+            return
+        storage, dirpath = self._session.storage, self._session.dirpath
+        unnamed: set[int] = set()
+        for kind, name, step in request.actions:
+            old = alias_step(storage, name) if kind == "link" else unlink_alias(storage, name)
+            if kind == "link":
+                link_alias(storage, name, os.path.join(dirpath, step_dirname(step)))
+            if old is not None and old != step:
+                unnamed.add(old)
+        if unnamed or self._session.options.keep_last_k is not None:
+            protected = aliased_steps(storage, dirpath) | set(self._names.values())
+            protected |= {r.step for r in self._requests}
+            resumed = resolve_step(storage, self._resumed_from(), dirpath)
+            self._session.purge(released=unnamed, protected=protected | ({resumed} - {None}))

@@ -1,0 +1,60 @@
+"""The options of an integration (``LazyCheckpoint``, ``LazyCheckpointHook``), validated once at construction.
+
+To give both integrations a new option, add a field to :class:`SessionOptions`: each adapter passes the keywords
+named like its fields here (see :meth:`SessionOptions.split`), so nothing else changes. Options of the engine
+itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from lazyckpt.config import CheckpointConfig
+
+ENGINE_OBJECTS = ("storage", "backend")
+"""``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
+SET_BY_THE_RUN = ("rank", "world_size", "keep_last_k")
+"""Engine arguments an integration sets itself: rank and world size from the framework, keep_last_k from its own
+argument (so that retention can also protect named checkpoints)."""
+
+
+@dataclass(kw_only=True)
+class SessionOptions:
+    """What one integration was asked to do; raises ``ValueError`` naming the option at construction."""
+
+    owner: str
+    """The integration's class name, for error messages (``"LazyCheckpointHook"``)."""
+    source: str
+    """Where rank and world size come from, for error messages (``"the trainer"``)."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Further :class:`~lazyckpt.LazyCheckpointer` arguments (``host_buffer_bytes``, ``copy_backend``, ...)."""
+    keep_last_k: int | None = None
+    """Keep the newest k committed checkpoints (also when nothing else names them); None keeps all."""
+
+    _config: CheckpointConfig = field(init=False, repr=False)
+
+    _NOT_USER_OPTIONS: ClassVar[tuple[str, ...]] = ("owner", "source", "engine")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keep_last_k, bool):
+            raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
+        taken = [k for k in SET_BY_THE_RUN if k in self.engine]
+        if taken:
+            spelled = ", ".join(f"{k}=..." for k in taken)
+            raise ValueError(f"{self.owner}({spelled}) is not accepted: rank and world_size come from {self.source}, "
+                             "and keep_last_k is an argument of its own")
+        config = {k: v for k, v in self.engine.items() if k not in ENGINE_OBJECTS}
+        self._config = CheckpointConfig(keep_last_k=self.keep_last_k, **config)  # every check, now
+
+    @classmethod
+    def split(cls, keywords: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(options of this class, everything else)`` from an adapter's ``**keywords``."""
+        names = {f.name for f in fields(cls) if f.init} - set(cls._NOT_USER_OPTIONS)
+        ours = {k: v for k, v in keywords.items() if k in names}
+        return ours, {k: v for k, v in keywords.items() if k not in names}
+
+    def engine_arguments(self, *, rank: int, world_size: int, retention: bool) -> dict[str, Any]:
+        """``LazyCheckpointer`` keyword arguments; ``retention``: the engine applies ``keep_last_k`` itself."""
+        return {**self.engine, "rank": rank, "world_size": world_size,
+                "keep_last_k": self.keep_last_k if retention else None}

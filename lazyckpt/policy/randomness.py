@@ -1,0 +1,61 @@
+"""The random state a resumed run needs: the global RNGs and the generators that shuffle its data loaders.
+
+One way to find a loader's generators serves every integration, and the captured tree holds only tensors and
+plain values, so a Lightning checkpoint exported from it loads under ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lazyckpt.rng import capture_rng_state, restore_rng_state
+
+# Where a data loader keeps the generators its order depends on: its own, its sampler's (a BatchSampler used as
+# the sampler wraps the real one), its batch sampler's sampler. Accelerate's prepared loaders add one generator
+# they synchronize across processes.
+_HOLDERS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("loader", lambda dl: dl),
+    ("sampler", lambda dl: getattr(dl, "sampler", None)),
+    ("sampler.sampler", lambda dl: getattr(getattr(dl, "sampler", None), "sampler", None)),
+    ("batch_sampler.sampler", lambda dl: getattr(getattr(dl, "batch_sampler", None), "sampler", None)),
+)
+_ATTRIBUTES = ("generator", "synchronized_generator")
+
+
+def find_generators(loaders: Sequence[Any], prefix: str) -> dict[str, torch.Generator]:
+    """The distinct ``torch.Generator`` objects behind ``loaders``, by a stable name (``"train[0].sampler"``)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    for index, loader in enumerate(loaders):
+        for where, holder_of in _HOLDERS:
+            holder = holder_of(loader)
+            for attribute in _ATTRIBUTES:
+                gen = getattr(holder, attribute, None)
+                if isinstance(gen, torch.Generator) and id(gen) not in seen:
+                    seen.add(id(gen))
+                    suffix = "" if attribute == "generator" else f".{attribute}"
+                    found[f"{prefix}[{index}].{where}{suffix}"] = gen
+    return found
+
+
+def capture_rng(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """:func:`lazyckpt.capture_rng_state`, with numpy's key array as an int64 tensor (``weights_only``-safe)."""
+    state = capture_rng_state(generators)
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -> list[str]:
+    """Restore what :func:`capture_rng` captured (also numpy's keys stored as an array); generators the
+    checkpoint does not hold keep their state. Returns the names of the generators restored."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state = {**state, "numpy": (name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, cached)}
+    saved = state.get("generators") or {}
+    common = {k: g for k, g in generators.items() if k in saved}
+    restore_rng_state(state, common)
+    return sorted(common)

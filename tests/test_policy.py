@@ -1,0 +1,153 @@
+"""The integration policy layer on its own, without a framework: options, steps, the fit check, RNG and loader
+generators, which rank writes what, and retention with named steps."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import lazyckpt
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, RunLayout, SessionOptions, StepCounter, capture_rng,
+                             check_fits, find_generators, restore_rng)
+from lazyckpt.retention import steps_to_purge
+from lazyckpt.storage import LocalStorage
+
+
+def options(**kwargs) -> SessionOptions:
+    return SessionOptions(owner="Adapter", source="the framework", **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"engine": {"rank": 1}}, r"Adapter\(rank=...\) is not accepted: rank and world_size come from the framework"),
+    ({"engine": {"keep_last_k": 2}}, r"Adapter\(keep_last_k=...\) is not accepted"),
+    ({"keep_last_k": 0}, "keep_last_k=0 must be a positive int"),
+    ({"keep_last_k": True}, "keep_last_k=True must be a positive int"),
+    ({"engine": {"copy_backend": "gpu"}}, "copy_backend='gpu' is not valid"),
+])
+def test_invalid_options_are_refused_naming_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        options(**kwargs)
+
+
+def test_engine_objects_pass_through_validation_untouched():
+    storage = LocalStorage()
+    opts = options(engine={"storage": storage, "fsync": False}, keep_last_k=2)
+    arguments = opts.engine_arguments(rank=1, world_size=2, retention=False)
+    assert arguments == {"storage": storage, "fsync": False, "rank": 1, "world_size": 2, "keep_last_k": None}
+    assert opts.engine_arguments(rank=0, world_size=1, retention=True)["keep_last_k"] == 2
+
+
+def test_split_separates_session_options_from_the_rest():
+    ours, rest = SessionOptions.split({"keep_last_k": 3, "monitor": "val_loss", "engine": {}, "owner": "x"})
+    assert ours == {"keep_last_k": 3} and rest == {"monitor": "val_loss", "engine": {}, "owner": "x"}
+
+
+def test_a_step_completes_when_every_optimizer_has_updated():
+    counter = StepCounter(every_n_steps=2)
+    assert [counter.updated(i, optimizers=2) for i in (0, 0, 1, 1, 0, 1)] == [False, False, False, False, True, False]
+    assert counter.step == 2
+    counter.restart(7)
+    assert counter.updated(0, optimizers=1) and not counter.updated(0, optimizers=1) and counter.step == 9
+    assert not StepCounter(None).updated(0, optimizers=1)
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        StepCounter(0)
+
+
+def test_the_fit_check_names_every_difference():
+    here = RunLayout(world_size=2, kinds={"optimizers": ["AdamW"]}, dataloaders=1, param_groups=[[4]],
+                     models={"model 0 (Net)": {"w": torch.zeros(2, 3), "b": torch.zeros(2), "new": torch.zeros(1)}})
+    saved = RunLayout(world_size=1, kinds={"optimizers": ["SGD"]}, dataloaders=2, param_groups=[[3]],
+                      models={"model 0 (Net)": {"w": torch.zeros(3, 3), "b": torch.zeros(2, dtype=torch.float16),
+                                                "old": torch.zeros(1)}})
+    with pytest.raises(lazyckpt.CheckpointMismatchError) as caught:
+        check_fits("ckpt", saved, here, problems=["first"])
+    lines = str(caught.value).splitlines()
+    assert lines[0] == "ckpt does not match this run:"
+    assert [line.strip("- ").split(":")[0] for line in lines[1:]] == [
+        "first", "it was written by 1 process(es), this run has 2 (RNG and sampler states are per process; resume "
+        "with the same number of processes)", "optimizers", "dataloaders", "model 0 (Net)", "model 0 (Net)",
+        "model 0 (Net)", "model 0 (Net)", "optimizer 0"]
+    assert "'w' is float32[3, 3] in the checkpoint and float32[2, 3] here" in str(caught.value)
+    assert "'b' is float16[2]" in str(caught.value)
+
+
+def test_the_fit_check_can_ignore_key_sets_and_dtypes():
+    here = RunLayout(models={"m": {"w": torch.zeros(2), "new": torch.zeros(1)}})
+    saved = RunLayout(models={"m": {"w": torch.zeros(2, dtype=torch.float64), "old": torch.zeros(1)}})
+    check_fits("ckpt", saved, here, strict=False, dtypes=False)  # nothing to report
+    saved.models["m"]["w"] = torch.zeros(3)
+    with pytest.raises(lazyckpt.CheckpointMismatchError, match=r"'w' is float32\[3\] in the checkpoint"):
+        check_fits("ckpt", saved, here, strict=False, dtypes=False)
+
+
+def test_loader_generators_are_found_once_each_under_stable_names():
+    gen, sampler_gen = torch.Generator(), torch.Generator()
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    sampler = torch.utils.data.RandomSampler(data, generator=sampler_gen)
+    loaders = [torch.utils.data.DataLoader(data, sampler=sampler, generator=gen),
+               torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, generator=gen)]
+    found = find_generators(loaders, "train")
+    assert found == {"train[0].loader": gen, "train[0].sampler": sampler_gen}
+
+
+def test_rng_states_round_trip_bit_exact_and_in_a_weights_only_form(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    state = capture_rng({"g": gen})
+    torch.save(state, tmp_path / "rng.pt")
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)
+    expected = (random.random(), float(np.random.rand()), torch.rand(2), torch.rand(2, generator=gen))
+    assert restore_rng(state, {"g": gen, "absent": torch.Generator()}) == ["g"]
+    got = (random.random(), float(np.random.rand()), torch.rand(2), torch.rand(2, generator=gen))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
+
+
+def test_rank_zero_writes_replicated_values_and_every_rank_its_own(tmp_path):
+    weight = torch.arange(4.0)
+    built = []
+
+    def replicated():
+        built.append(True)
+        return {"model": {"w": weight}}
+
+    engine = {"fsync": False, "commit_timeout_s": 60}
+    sessions = [CheckpointSession(tmp_path, options(engine=engine), rank=r, world_size=2) for r in (0, 1)]
+    pending = [s.save(5, replicated=replicated, per_rank={"rank": s.rank}, immutable=[weight]) for s in sessions]
+    for session in sessions:
+        session.barrier()
+    assert pending[0].wait() is not None and pending[1].wait() is not None
+    for session in sessions:
+        session.close()
+    assert built == [True]  # only rank 0 built the replicated values
+    assert torch.equal(lazyckpt.load(tmp_path / "step-0000005")["model"]["w"], weight)
+    assert lazyckpt.load(tmp_path / "step-0000005", rank=1) == {"rank": 1}
+    assert sorted(sessions[0].stalls) == sorted(sessions[1].stalls) == [5]
+
+
+def test_retention_keeps_what_is_protected_kept_by_recency_or_just_committed():
+    steps = [1, 2, 3, 4, 5]
+    assert steps_to_purge(steps, None, just_committed=5, released={1, 3}, protected={3}) == [1]
+    assert steps_to_purge(steps, 2, just_committed=5, protected={1}) == [3, 2]
+    assert steps_to_purge(steps, 2, just_committed=5, released={4}) == [3, 2, 1]  # the newest k always stay
+
+
+def test_a_dropped_name_releases_its_step_after_the_next_commit(tmp_path):
+    session = CheckpointSession(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
+                                engine_retention=False)
+    names = CheckpointNames(session)
+    name = {step: str(tmp_path / f"best-{step}.ckpt") for step in (1, 2)}
+    for step in (1, 2):
+        names.plan(step, name[step])  # like ModelCheckpoint's top-1: save the new best, then drop the old one
+        if step == 2:
+            names.drop(name[1])
+        committed = names.submit(lambda s: session.save(s, replicated={}, per_rank={"step": s}))
+        session.barrier()
+        committed += names.poll(block=True)
+        assert [c.step for c in committed] == [step]
+    session.close()
+    assert name[2] in names and name[1] not in names and os.readlink(name[2]) == "step-0000002"
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step-", "best-"))) == [
+        "best-2.ckpt", "step-0000002"]
