@@ -308,7 +308,7 @@ def publish(args: argparse.Namespace, machine: dict, config: dict, runs: list[di
           f"{config['every']} steps; medians (min–max) over {config['repeats']} repeat(s)\n")
     print(markdown_table(entries))
     if targets:
-        print("\nTargets (issues 2 and 6):\n")
+        print("\nTargets:\n")
         print(targets_table(targets, entries))
     if args.plots:
         for path in write_plots(entries, runs, args.plots):

@@ -1,7 +1,7 @@
 """The raw floors: what writing the same bytes costs with no serialization, checksums or commit.
 
-``raw`` is the floor of issues 2 and 6 (warm-buffer copy on a background thread + one ``write`` + ``fsync``);
-``raw_direct`` and ``raw_paced`` push it down with ``O_DIRECT`` and with pacing (issue 6).
+``raw`` is the raw floor (warm-buffer copy on a background thread + one ``write`` + ``fsync``);
+``raw_direct`` and ``raw_paced`` push it down with ``O_DIRECT`` and with pacing.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class RawFloor(Method):
 
 
 class RawDirect(RawFloor):
-    """The floor pushed down (issue 6): the same copy, written with ``O_DIRECT`` in 8 MiB aligned blocks, so the
+    """The floor pushed down: the same copy, written with ``O_DIRECT`` in 8 MiB aligned blocks, so the
     bytes skip the page cache and its write-back burst."""
 
     key, label = "raw_direct", "raw floor, O_DIRECT 8 MiB writes"

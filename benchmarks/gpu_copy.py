@@ -1,4 +1,4 @@
-"""GPU measurements for the ``cuda`` and ``triton`` copy backends (issue 3, "GPU measurement").
+"""GPU measurements for the ``cuda`` and ``triton`` copy backends.
 
 Sections (each runs in its own try/except; an error is recorded and the next section runs):
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from workload import MiB, median
 
-TARGETS = "issues 2 and 6"
+TARGETS = "the stall, durability and memory targets"
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
@@ -107,7 +107,7 @@ def _m(entry: dict | None, name: str) -> float | None:
 
 
 def check_targets(entries: list[dict[str, Any]], state_bytes: int) -> dict[str, list[dict[str, Any]]]:
-    """The targets of issues 2 and 6 for every lazyckpt method (medians; a target whose yardstick is missing is
+    """The stall, durability and memory targets for every lazyckpt method (medians; a target whose yardstick is missing is
     reported with ``met: null``)."""
     by_key = {e["key"]: e for e in entries if e.get("available") and e.get("verified")}
     peers = [e for e in by_key.values() if e["kind"] == "peer"]
