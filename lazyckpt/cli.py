@@ -30,7 +30,7 @@ from rich.tree import Tree
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import export_safetensors
 from lazyckpt.format import MANIFEST, STEP_DIR
-from lazyckpt.loading import committed
+from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 
@@ -56,7 +56,7 @@ class _Cli:
         if info is None or info.kind is not FileKind.DIR:
             self.problem(f"{args.dirpath} is not a directory")
             return 1
-        steps = committed(args.dirpath, self.storage)
+        steps = committed_steps(args.dirpath, self.storage)
         if not steps:
             self.out.print(f"no committed checkpoints in {args.dirpath}")
             return 0

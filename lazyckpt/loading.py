@@ -15,38 +15,14 @@ from typing import Any
 
 import torch
 
-from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.reader import CheckpointReader, Progress
-from lazyckpt.storage import FileKind, LocalStorage, Storage
-
-
-def committed(dirpath: str | os.PathLike[str], storage: Storage | None = None) -> dict[int, str]:
-    """Committed checkpoint directories under ``dirpath`` by step: a ``step-N`` directory holding a regular
-    ``manifest.json``. Empty when ``dirpath`` does not exist."""
-    storage = storage if storage is not None else LocalStorage()
-    dirpath = os.fspath(dirpath)
-    try:
-        names = storage.list_dir(dirpath)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    found = {}
-    for name in names:
-        match = STEP_DIR.fullmatch(name)
-        path = os.path.join(dirpath, name)
-        if match and _kind(storage, path) is FileKind.DIR \
-                and _kind(storage, os.path.join(path, MANIFEST)) is FileKind.FILE:
-            found[int(match.group(1))] = path
-    return found
-
-
-def _kind(storage: Storage, path: str) -> FileKind | None:
-    info = storage.stat(path)
-    return None if info is None else info.kind
+from lazyckpt.retention import committed_steps
+from lazyckpt.storage import Storage
 
 
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None) -> str | None:
     """The newest committed checkpoint directory under ``dirpath``, or ``None`` when there is none."""
-    steps = committed(dirpath, storage)
+    steps = committed_steps(os.fspath(dirpath), storage)
     return steps[max(steps)] if steps else None
 
 
