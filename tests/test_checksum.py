@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, chunk_checksums
+from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, checksum_run, chunk_checksums
 
 
 def test_checksum_values_are_pinned_for_the_format_s_life():
@@ -34,3 +34,22 @@ def test_chunks_are_counted_from_each_tensor_s_first_byte():
     sums = chunk_checksums(t)
     raw = t.numpy().view(np.uint8)
     assert sums == [checksum_bytes(raw[:CHUNK_BYTES]), checksum_bytes(raw[CHUNK_BYTES:])]
+
+
+def _formula(data: np.ndarray) -> int:
+    """The format's definition, written out in one pass over the whole chunk."""
+    padded = np.zeros(data.size + (-data.size % 8), np.uint8)
+    padded[: data.size] = data
+    words = padded.view("<u8")
+    x = (words ^ (np.arange(1, words.size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(29)
+    return (int(x.sum(dtype=np.uint64)) + data.size * 0x9E3779B97F4A7C15) % 2**64
+
+
+def test_chunks_mixed_in_cache_sized_blocks_match_the_formula_at_every_size():
+    data = np.random.default_rng(1).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    for size in (CHUNK_BYTES, CHUNK_BYTES - 3, 256 << 10, (256 << 10) + 8, 777_777):
+        assert checksum_bytes(data[:size]) == _formula(data[:size]), size
+    run = np.concatenate([data, data[:12345]])
+    assert checksum_run(run) == [_formula(data), _formula(data[:12345])]
