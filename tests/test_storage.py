@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.storage import LocalStorage, Storage, _direct
 
 
 def test_local_storage_satisfies_the_protocol():
@@ -36,3 +41,28 @@ def test_checkpoints_are_byte_identical_with_and_without_direct_io(tmp_path, dir
         path = c.save(state, step=1).wait()
     loaded = lazyckpt.load(path)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+
+
+def _direct_io_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "lazyckpt-direct-io"]
+
+
+def test_a_failed_direct_write_surfaces_in_the_writer_and_leaves_no_thread(tmp_path, monkeypatch):
+    real_pwrite_all = _direct.pwrite_all
+
+    def refuse_direct_fd(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset >= (8 << 20):  # the direct stream's 2nd block
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_pwrite_all(fd, buffers, offset)
+
+    monkeypatch.setattr(_direct, "pwrite_all", refuse_direct_fd)
+    data = np.zeros(40 << 20, np.uint8)
+    handle = LocalStorage(direct_io=True).open_write(str(tmp_path / "f"))
+    assert handle.stream is not None, "this test needs a file system that accepts O_DIRECT"
+    with pytest.raises(OSError, match="No space left"):
+        for start in range(0, data.size, 1 << 20):  # the error reaches a later write or, at the latest, close
+            handle.write(start, [memoryview(data[start : start + (1 << 20)])])
+        handle.close(sync=True)
+    with pytest.raises(OSError, match="No space left"):  # closing never hides the lost bytes
+        handle.close(sync=False)
+    assert not _direct_io_threads()
