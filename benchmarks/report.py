@@ -129,6 +129,8 @@ def check_targets(entries: list[dict[str, Any]], state_bytes: int) -> dict[str, 
                     noise=_noise(e, best)),
             _target("time to durable <= 1.3x the raw write of the same bytes", durable,
                     _mul(_m(e, "raw_write_s"), 1.3)),
+            _target("time to durable <= 1.3x the O_DIRECT floor's", durable,
+                    _mul(_m(by_key.get("raw_direct"), "time_to_durable_s"), 1.3)),
             _target("peak extra RSS <= 1.2x the state", _m(e, "extra_rss_mb"), 1.2 * state_bytes / MiB),
             _target("quiet step <= 1.03x the no-checkpoint loop's", _m(e, "quiet_step_x"), 1.03),
         ]
