@@ -21,6 +21,7 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, Chec
                              StepOrderError, UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
+from lazyckpt.preflight import check_storable
 from lazyckpt.rng import capture_rng_state, restore_rng_state
 from lazyckpt.state import Deferred
 
@@ -45,6 +46,6 @@ __all__ = sorted([
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
-    "__version__", "capture_rng_state", "checkpoint_step",
+    "__version__", "capture_rng_state", "check_storable", "checkpoint_step",
     "latest", "load", "restore_rng_state", "verify",
 ])

@@ -3,7 +3,9 @@
 Every container is tagged, so decoding gives back exactly the structure that was saved: a tuple stays a
 tuple, int dict keys stay ints, ``nan``/``inf`` survive. Common non-JSON values get typed encodings; decoding
 only ever builds plain data (it never imports a module or calls a constructor named by the file), so a dataclass
-comes back as a dict and an Enum member as its value. Anything else is refused at ``save()`` with its key path.
+comes back as a dict and an Enum member as its value. OmegaConf configs, numpy string arrays, tuple keys and
+sparse tensors have encodings of their own (``lazyckpt.values``). Anything else is refused at ``save()`` with
+its key path; :func:`lazyckpt.check_storable` finds such values before training starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from urllib.parse import quote
 import numpy as np
 import torch
 
+from lazyckpt import values
 from lazyckpt.errors import UnsupportedValueError
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
@@ -47,7 +50,7 @@ class Deferred:
         self.fn = fn
 
 
-Path = tuple["str | int", ...]
+Path = tuple["str | int | tuple", ...]
 
 
 def path_str(path: Path) -> str:
@@ -63,7 +66,16 @@ def tensor_key(path: Path) -> str:
     """
     if not path:
         return "%24"
-    return "/".join(f"[{p}]" if isinstance(p, int) else quote(p, safe="") for p in path)
+    return "/".join(_key_part(p) for p in path)
+
+
+def _key_part(part: str | int | tuple) -> str:
+    # quote() escapes "[" and "(", so int ("[3]") and tuple ("(...)") parts never look like a str part.
+    if isinstance(part, int):
+        return f"[{part}]"
+    if isinstance(part, tuple):
+        return f"({quote(repr(part), safe='')})"
+    return quote(part, safe="")
 
 
 class _Flattener:
@@ -95,16 +107,11 @@ class _Flattener:
         return self._typed(value, path)
 
     def _key(self, key: Any, path: Path) -> Any:
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
-            raise UnsupportedValueError(
-                f"{path_str(path)} has a key {key!r} of type {type(key).__name__}; only str and int keys are "
-                "stored (convert the key, e.g. str(key))"
-            )
-        return key
+        return values.encode_key(key, path, self.encode)
 
     def _tensor(self, tensor: torch.Tensor, path: Path) -> Any:
-        if tensor.is_sparse or tensor.layout != torch.strided:
-            raise UnsupportedValueError(f"{path_str(path)} is a {tensor.layout} tensor; call .to_dense() first")
+        if tensor.layout != torch.strided:
+            return values.encode_sparse(tensor, path, self._tensor)
         if self.inline_tensors:
             return {"$inline": encode_inline_tensor(tensor, path)}
         key = tensor_key(path)
@@ -114,10 +121,13 @@ class _Flattener:
     def _typed(self, value: Any, path: Path) -> Any:
         if isinstance(value, enum.Enum):
             return {"$enum": {"class": type(value).__qualname__, "value": self.encode(value.value, path)}}
+        encoded = values.encode_value(value, path, self.encode)
+        if encoded is not values.UNHANDLED:
+            return encoded
         if isinstance(value, np.ndarray):
             if value.dtype.kind not in "biuf":
                 raise UnsupportedValueError(f"{path_str(path)} is a numpy array of dtype {value.dtype}; only "
-                                            "bool, int, uint and float arrays are stored")
+                                            "bool, int, uint, float and string arrays are stored")
             encoded = self._tensor(torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="))), path)
             return {"$ndarray": encoded}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lazyckpt import values
 from lazyckpt.errors import CheckpointFormatError
 
 _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -40,6 +42,7 @@ class _Decoder:
             "$bytes": lambda v, p: base64.b64decode(self._str(v, p), validate=True),
             "$set": lambda v, p: set(self._items(v, p)),
             "$complex": lambda v, p: complex(*(self._number(x, p) for x in self._items(v, p))),
+            **{tag: functools.partial(fn, decoder=self) for tag, fn in values.DECODERS.items()},
         }
 
     def fail(self, path: str, problem: str) -> CheckpointFormatError:
@@ -70,8 +73,10 @@ class _Decoder:
         out = {}
         for pair in self._list(items, path):
             key, value = self._list(pair, path)
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
-                raise self.fail(path, f"dict key {key!r} is not a str or int")
+            if isinstance(key, dict):
+                key = values.decode_key(key, path, self)
+            if isinstance(key, bool) or not isinstance(key, (str, int, tuple)):
+                raise self.fail(path, f"dict key {str(key)[:80]!r} is not a str, int or tuple")
             out[key] = self.decode(value, f"{path}[{key!r}]")
         return out
 

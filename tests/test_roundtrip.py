@@ -81,7 +81,7 @@ def test_unsupported_value_is_refused_at_save_with_its_key_path(tmp_path):
         with pytest.raises(lazyckpt.UnsupportedValueError, match=r"state\['cfg'\]\['fn'\].*function"):
             ckpt.save({"cfg": {"fn": lambda: 1}}, step=1)
         with pytest.raises(lazyckpt.UnsupportedValueError, match="key"):
-            ckpt.save({(1, 2): 3}, step=1)
+            ckpt.save({1.5: 3}, step=1)
 
 
 def test_keys_that_look_alike_or_like_paths_never_collide(save_and_load):
