@@ -19,6 +19,7 @@ from typing_extensions import override
 import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import CheckpointNames, CheckpointSession, Committed, SessionOptions, checkpoint_metrics
+from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
 from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng
@@ -94,6 +95,8 @@ class LazyCheckpointMixin:
         self._trainer_ref = weakref.ref(trainer)
         self._io_class.install(trainer, owner=self)
         self.wait_at_epoch_start = self._barrier.install(trainer, self._namespace)
+        if stage == "fit":
+            check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later
         if stage == "fit" and self.session is None:
             self.session = CheckpointSession(self.dirpath, self.options, rank=trainer.global_rank,
                                              world_size=trainer.world_size, engine_retention=False)

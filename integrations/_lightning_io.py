@@ -26,6 +26,7 @@ import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, StepAlreadyCommittedError
 from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
+from lazyckpt.plain import weights_only_safe
 
 from . import _compat
 
@@ -34,12 +35,20 @@ logger = logging.getLogger(__name__)
 EXTRA_KEY = "lazyckpt"
 """Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
 LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+URL_PREFIX = "lazyckpt://"
+"""``lazyckpt://<path>`` names a checkpoint for Lightning's fsspec-based loading (see ``integrations/url.py``)."""
 
 
 # ------------------------------------------------------------------------------------------ reading and exporting
 def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
     """True for a directory (or an alias symlink to one); lazyckpt checkpoints are directories."""
     return os.path.isdir(os.fspath(path))
+
+
+def local_path(url: str | os.PathLike[str]) -> str:
+    """The checkpoint path a ``lazyckpt://`` URL names (a plain path is returned as it is)."""
+    text = os.fspath(url)
+    return text[len(URL_PREFIX):] if text.startswith(URL_PREFIX) else text
 
 
 def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None,
@@ -97,9 +106,11 @@ def export_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[
     """Write a lazyckpt checkpoint as a plain Lightning ``.ckpt`` file (atomically) and return its path.
 
     The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
-    ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it.
+    ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it:
+    a ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved
+    container (see ``lazyckpt.plain``).
     """
-    checkpoint = to_lightning_checkpoint(path, verify=verify)
+    checkpoint = weights_only_safe(to_lightning_checkpoint(path, verify=verify))
     out_file = os.fspath(out_file)
     os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
     tmp = f"{out_file}.tmp"
@@ -119,7 +130,7 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], *, stric
 def load_from_checkpoint(cls: type, path: str | os.PathLike[str], **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint`` for a lazyckpt checkpoint (hyper-parameters included); ``kwargs`` go to it."""
     buffer = io.BytesIO()
-    torch.save(to_lightning_checkpoint(path), buffer)
+    torch.save(weights_only_safe(to_lightning_checkpoint(path)), buffer)
     buffer.seek(0)
     return cls.load_from_checkpoint(buffer, **kwargs)
 
@@ -160,13 +171,24 @@ def request_snapshot(session: CheckpointSession, trainer: Any, step: int, *,
 
 # ------------------------------------------------------------------------------------------ CheckpointIO
 class LazyCheckpointIOMixin:
-    """Loads lazyckpt checkpoint directories for ``fit/validate/test(ckpt_path=...)``; everything else (plain
-    ``.ckpt`` files, direct ``trainer.save_checkpoint`` calls, SLURM ``hpc`` saves) goes to the wrapped
-    CheckpointIO, so those saves stay blocking and produce ordinary Lightning files."""
+    """Loads lazyckpt checkpoints (directories, names linking to them, ``lazyckpt://`` URLs) for
+    ``fit/validate/test/predict(ckpt_path=...)``; everything else (plain ``.ckpt`` files, direct
+    ``trainer.save_checkpoint`` calls, SLURM ``hpc`` saves) goes to the wrapped CheckpointIO, so those saves stay
+    blocking and produce ordinary Lightning files.
 
-    def __init__(self, base: Any, owner: Any = None) -> None:
+    ``LazyCheckpoint`` installs one itself. Without that callback, pass one as a plugin:
+    ``Trainer(plugins=[lazyckpt.LazyCheckpointIO()])``.
+
+    Args:
+        base: the CheckpointIO for everything that is not a lazyckpt checkpoint (default: Lightning's
+            ``TorchCheckpointIO``).
+    """
+
+    _default_base: Any = None
+
+    def __init__(self, base: Any = None, owner: Any = None) -> None:
         super().__init__()
-        self.base = base
+        self.base = base if base is not None else self._default_base()
         self._owner = weakref.ref(owner) if owner is not None else (lambda: None)
 
     @classmethod
@@ -184,6 +206,7 @@ class LazyCheckpointIOMixin:
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         owner = self._owner()
         trainer = owner.trainer if owner is not None else None
+        path = local_path(path)
         if not is_lazyckpt_path(path):
             if not os.path.exists(os.fspath(path)):
                 _check_committed(os.fspath(path))  # raises with the partial / newest-committed hint

@@ -13,6 +13,7 @@ See docs/lightning.md for the hooks, the options, DDP and resume guarantees.
 from __future__ import annotations
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ._lightning_barrier import LazyBarrierMixin
@@ -23,6 +24,7 @@ from ._lightning_io import (LazyCheckpointIOMixin, export_checkpoint, load_from_
 
 class LazyCheckpointIO(LazyCheckpointIOMixin, CheckpointIO):
     __doc__ = LazyCheckpointIOMixin.__doc__
+    _default_base = TorchCheckpointIO
 
 
 class _LazyBarrier(LazyBarrierMixin, Callback):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from . import lightning as _lightning
@@ -31,7 +32,7 @@ def _derive(cls: type, base: type, **attributes: Any) -> type:
     return type(cls.__name__, (cls.__bases__[0], base), body)
 
 
-LazyCheckpointIO = _derive(_lightning.LazyCheckpointIO, CheckpointIO)
+LazyCheckpointIO = _derive(_lightning.LazyCheckpointIO, CheckpointIO, _default_base=TorchCheckpointIO)
 _LazyBarrier = _derive(_lightning._LazyBarrier, Callback)
 LazyCheckpoint = _derive(_lightning.LazyCheckpoint, ModelCheckpoint, _namespace="pytorch_lightning",
                          _io_class=LazyCheckpointIO, _barrier_class=_LazyBarrier)

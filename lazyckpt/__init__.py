@@ -27,6 +27,7 @@ from lazyckpt.state import Deferred
 
 _INTEGRATIONS = {
     "LazyCheckpoint": "lazyckpt.integrations.lightning",
+    "LazyCheckpointIO": "lazyckpt.integrations.lightning",
     "LazyCheckpointHook": "lazyckpt.integrations.accelerate",
 }
 
@@ -44,7 +45,7 @@ __all__ = sorted([
     "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
-    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
+    "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
     "__version__", "capture_rng_state", "check_storable", "checkpoint_step",
     "latest", "load", "restore_rng_state", "verify",

@@ -28,7 +28,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
-from lazyckpt.export import export_safetensors
+from lazyckpt.export import FORMATS, export
 from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader
@@ -156,25 +156,14 @@ class _Cli:
 
     def export(self, args: argparse.Namespace) -> int:
         try:
-            if args.format == "safetensors":
-                out = export_safetensors(args.path, args.out, key=args.key, storage=self.storage)
-            else:
-                out = _export_lightning(args.path, args.out)
+            out = export(args.path, args.out, format=args.format, key=args.key, strip_prefix=args.strip_prefix,
+                         dedupe=not args.keep_duplicates, storage=self.storage)
         except PROBLEMS as e:
             self.problem(str(e))
             return 1
-        except ImportError as e:
-            self.problem(f"--format lightning needs Lightning installed (pip install 'lazyckpt[lightning]'): {e}")
-            return 1
         info = self.storage.stat(out)
-        self.out.print(f"wrote {out} ({human_size(info.size if info else 0)})", soft_wrap=True)
+        self.out.print(f"wrote {out} ({human_size(info.size if info else 0)}, {args.format})", soft_wrap=True)
         return 0
-
-
-def _export_lightning(path: str, out: str) -> str:
-    from lazyckpt.integrations.lightning import export_checkpoint
-
-    return export_checkpoint(path, out)
 
 
 def _tensor_bytes(reader: CheckpointReader) -> int:
@@ -233,11 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt or a model.safetensors")
     p.add_argument("path")
     p.add_argument("out")
-    p.add_argument("--format", choices=["lightning", "safetensors"], default="lightning",
+    p.add_argument("--format", choices=FORMATS, default="lightning",
                    help="lightning: a .ckpt that torch.load(weights_only=True) accepts; safetensors: the model's "
                         "weights under their plain names (default lightning)")
     p.add_argument("--key", default=None, help="safetensors: the top-level key holding the weights (default: "
                                                "state_dict, else model)")
+    p.add_argument("--strip-prefix", default=None,
+                   help="safetensors: remove this prefix from every name (default: the prefix all names of a "
+                        "Lightning state_dict share, e.g. 'model.')")
+    p.add_argument("--keep-duplicates", action="store_true",
+                   help="safetensors: store bit-identical tensors (tied weights) under every name")
     p.set_defaults(fn=_Cli.export)
     return parser
 

@@ -1,14 +1,18 @@
-"""Exporting a checkpoint's model weights as a Hugging Face-style ``model.safetensors``: plain parameter names,
-no lazyckpt metadata, loadable by ``safetensors.torch.load_file`` and ``from_pretrained`` next to the model's
-config.
+"""Export a checkpoint for tools that know nothing of lazyckpt: a Lightning ``.ckpt`` that loads with
+``torch.load(weights_only=True)``, or a Hugging Face-style ``model.safetensors`` (plain parameter names, tied
+weights stored once, no lazyckpt metadata) that ``safetensors.torch.load_file`` and ``from_pretrained`` read next
+to the model's config.
 
 Example:
-    >>> export_safetensors("runs/ckpt/step-0000120", "out/model.safetensors")     # doctest: +SKIP
+    >>> export("runs/ckpt/last.ckpt", "out/model.ckpt")                                   # doctest: +SKIP
+    >>> export("runs/ckpt/last.ckpt", "hf/model.safetensors", format="safetensors")       # doctest: +SKIP
+    >>> AutoModel.from_pretrained("hf")   # with the model's config.json next to it       # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,8 +22,62 @@ from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.loading import load
 from lazyckpt.storage import LocalStorage, Storage
 
+FORMATS = ("lightning", "safetensors")
 MODEL_KEYS = ("state_dict", "model")
 """Where the weights are looked for when no key is given: Lightning's layout, then the plain-PyTorch habit."""
+
+
+def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, format: str = "lightning",
+           key: str | None = None, strip_prefix: str | None = None, dedupe: bool = True,
+           storage: Storage | None = None) -> str:
+    """Write the checkpoint at ``path`` to ``out_file`` (atomically) and return ``out_file``.
+
+    Args:
+        path: a committed step directory or a name linking to one.
+        out_file: the file to write.
+        format: ``"lightning"``: a Lightning ``.ckpt`` that loads with ``torch.load(weights_only=True)``;
+            ``"safetensors"``: the model's weights under plain parameter names, as ``from_pretrained`` reads them.
+        key, strip_prefix, dedupe, storage: safetensors only; see :func:`export_safetensors`.
+
+    Raises:
+        ValueError: an unknown ``format``.
+        CheckpointFormatError: no model weights found for a safetensors export.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not one of {FORMATS}")
+    if format == "safetensors":
+        return export_safetensors(path, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
+                                  storage=storage)
+    from lazyckpt.integrations._lightning_io import export_checkpoint  # imports no Lightning
+
+    return export_checkpoint(path, out_file)
+
+
+def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, key: str | None = None,
+                       strip_prefix: str | None = None, dedupe: bool = True, storage: Storage | None = None) -> str:
+    """Write the model weights of a checkpoint (read and verified by :func:`lazyckpt.load`) to ``out_file``,
+    atomically; returns ``out_file``.
+
+    Args:
+        key: the top-level key holding the weights (default: the first of :data:`MODEL_KEYS` present, or the
+            whole state when it is already a flat dict of tensors).
+        strip_prefix: remove this prefix from every name (default: a Lightning checkpoint's ``state_dict`` loses
+            the attribute prefix all its names share, e.g. ``model.`` of ``self.model``).
+        dedupe: store bit-identical tensors (tied embeddings) once, under their first name.
+    """
+    storage = storage if storage is not None else LocalStorage()
+    state = load(path, storage=storage)
+    weights = model_weights(state, key, where=os.fspath(path))
+    lightning = "pytorch-lightning_version" in state
+    prefix = strip_prefix if strip_prefix is not None else (_shared_prefix(weights) if lightning else "")
+    weights = {name.removeprefix(prefix): t for name, t in weights.items()}
+    if dedupe:
+        weights = drop_duplicates(weights)
+    data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
+    out_file = os.fspath(out_file)
+    storage.make_dir(os.path.dirname(os.path.abspath(out_file)))
+    storage.write_atomic(out_file, data, sync=True)
+    return out_file
 
 
 def model_weights(state: Any, key: str | None = None, *, where: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -34,21 +92,30 @@ def model_weights(state: Any, key: str | None = None, *, where: str = "checkpoin
                                     f"{sorted(map(str, state))[:10]}; pass --key with the one holding the weights")
     weights = state if key is None else state[key]
     bad = [name for name, value in weights.items() if not isinstance(name, str) or not isinstance(value, torch.Tensor)]
-    if bad:
+    if bad or not weights:
         raise CheckpointFormatError(f"{where}: {key or 'the state'} is not a flat dict of tensors (e.g. "
                                     f"{bad[:3]!r}); pass --key with the one holding the model's state_dict")
-    return weights
+    return dict(weights)
 
 
-def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, key: str | None = None,
-                       storage: Storage | None = None) -> str:
-    """Write the model weights of a checkpoint (read and verified by :func:`lazyckpt.load`) to ``out_file``,
-    atomically; returns ``out_file``."""
-    storage = storage if storage is not None else LocalStorage()
-    state = load(path, storage=storage)
-    weights = model_weights(state, key, where=os.fspath(path))
-    data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
-    out_file = os.fspath(out_file)
-    storage.make_dir(os.path.dirname(os.path.abspath(out_file)))
-    storage.write_atomic(out_file, data, sync=True)
-    return out_file
+def drop_duplicates(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name of each group of bit-identical, non-constant tensors (tied weights; a checkpoint stores
+    each name's bytes, so ties show as equal contents). Constant tensors (zero biases) are never merged."""
+    kept: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        signature = (tensor.dtype, tuple(tensor.shape))
+        constant = tensor.numel() < 2 or bool((tensor.reshape(-1) == tensor.reshape(-1)[0]).all())
+        if not constant and any(torch.equal(tensor, other) for other in seen.get(signature, [])):
+            continue
+        seen.setdefault(signature, []).append(tensor)
+        kept[name] = tensor
+    return kept
+
+
+def _shared_prefix(weights: Mapping[str, torch.Tensor]) -> str:
+    """``"model."`` when every name starts with that one attribute (the LightningModule's wrapped model)."""
+    heads = {name.split(".", 1)[0] for name in weights}
+    if len(heads) == 1 and all("." in name for name in weights):
+        return f"{heads.pop()}."
+    return ""

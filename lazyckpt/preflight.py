@@ -31,3 +31,13 @@ def check_storable(state: Mapping[Any, Any], *, what: str = "the state",
             flatten({key: value})
         except UnsupportedValueError as e:
             raise UnsupportedValueError(f"lazyckpt cannot store {what}: {e}. Fix: {fix.format(key=key)}") from e
+
+
+def check_hyperparameters(*owners: Any) -> None:
+    """:func:`check_storable` for the ``hparams`` of each owner (a module, a data module; ``None`` is skipped)."""
+    for owner in owners:
+        hparams = getattr(owner, "hparams", None)
+        if isinstance(hparams, dict):  # an OmegaConf config as a whole is always storable
+            check_storable(hparams, what=f"the hyper-parameters of {type(owner).__name__}",
+                           fix="leave it out with self.save_hyperparameters(ignore=[{key!r}]) or make it "
+                               "plain data (numbers, strings, lists, dicts, tensors)")

@@ -1,0 +1,88 @@
+"""Exports for tools that know nothing of lazyckpt: a model.safetensors with plain names, a Lightning .ckpt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+import lazyckpt
+from lazyckpt.export import export
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)  # weight all ones, bias all zeros: constant, never merged
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def save(tmp_path, state):
+    with lazyckpt.LazyCheckpointer(tmp_path / "ckpt") as ckpt:
+        return ckpt.save(state, step=1).wait()
+
+
+def lightning_like(module):
+    """What LazyCheckpoint stores for a LightningModule holding ``self.model = module``."""
+    return {"pytorch-lightning_version": "2.6.0", "global_step": 1,
+            "state_dict": {f"model.{k}": v for k, v in module.state_dict().items()},
+            "hyper_parameters": {"ns": argparse.Namespace(lr=0.1), "arr": np.arange(2)}}
+
+
+def test_safetensors_export_has_plain_names_and_tied_weights_once(tmp_path):
+    model = TiedLM()
+    path = save(tmp_path, lightning_like(model))
+    out = export(path, tmp_path / "hf" / "model.safetensors", format="safetensors")
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        names = list(f.keys())
+    assert sorted(names) == ["embed.weight", "norm.bias", "norm.weight"], "prefix gone, head.weight stored once"
+    loaded = load_file(out)
+    missing, unexpected = TiedLM().load_state_dict(loaded, strict=False)
+    assert missing == ["head.weight"] and unexpected == []
+    assert torch.equal(loaded["embed.weight"], model.embed.weight)
+
+
+def test_safetensors_export_keeps_duplicates_and_prefixes_when_asked(tmp_path):
+    model = TiedLM()
+    path = save(tmp_path, {"model": model.state_dict(), "step": 1})
+    out = export(path, tmp_path / "model.safetensors", format="safetensors", dedupe=False, strip_prefix="")
+    assert sorted(load_file(out)) == sorted(model.state_dict())
+
+
+def test_safetensors_export_refuses_a_state_without_weights(tmp_path):
+    path = save(tmp_path, {"step": 1, "notes": "no tensors"})
+    with pytest.raises(lazyckpt.CheckpointFormatError, match="not a flat dict of tensors"):
+        export(path, tmp_path / "model.safetensors", format="safetensors")
+    with pytest.raises(ValueError, match="format='onnx'"):
+        export(path, tmp_path / "model.onnx", format="onnx")
+
+
+def test_lightning_export_loads_with_weights_only(tmp_path):
+    model = TiedLM()
+    path = save(tmp_path, lightning_like(model))
+    out = export(path, tmp_path / "model.ckpt")
+    plain = torch.load(out, weights_only=True)
+    assert plain["hyper_parameters"] == {"ns": {"lr": 0.1}, "arr": [0, 1]}
+    assert torch.equal(plain["state_dict"]["model.head.weight"], model.head.weight)
+
+
+def test_transformers_from_pretrained_accepts_the_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    path = save(tmp_path, lightning_like(model))
+    out_dir = tmp_path / "hf"
+    export(path, out_dir / "model.safetensors", format="safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out_dir).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
