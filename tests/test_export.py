@@ -86,3 +86,13 @@ def test_transformers_from_pretrained_accepts_the_export(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out_dir).eval()
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_the_cli_exports_and_reports_a_missing_checkpoint(tmp_path, capsys):
+    from lazyckpt.cli import main
+
+    path = save(tmp_path, lightning_like(TiedLM()))
+    assert main(["export", path, str(tmp_path / "m.safetensors"), "--format", "safetensors"]) == 0
+    assert sorted(load_file(tmp_path / "m.safetensors")) == ["embed.weight", "norm.bias", "norm.weight"]
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x.ckpt")]) == 1
+    assert "nope" in capsys.readouterr().err
