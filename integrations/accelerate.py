@@ -35,6 +35,7 @@ import torch
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.policy import CheckpointSession, SessionOptions, StepCounter
+from lazyckpt.preflight import check_storable
 
 from . import _compat
 from ._accelerate_state import Boundary, PreparedRun
@@ -105,13 +106,18 @@ class LazyCheckpointHook:
         Raises:
             RuntimeError: already registered, or nothing was prepared.
             ValueError: a distributed type or option this hook does not support.
+            UnsupportedValueError: a registered object's ``state_dict()`` holds a value no checkpoint can store
+                (found now, before training, with its key path).
         """
         if self._run is not None:
             raise RuntimeError("this LazyCheckpointHook is registered already; create one hook per Accelerator")
         _compat.refuse_unsupported_accelerator(accelerator)
+        run = PreparedRun.of(accelerator, self)
+        check_storable(run.replicated(), what="the state LazyCheckpointHook saves", fix="return plain data "
+                       "(numbers, strings, lists, dicts, tensors) from the state_dict() of what holds it")
         self._session = CheckpointSession(self.dirpath, self.options, rank=accelerator.process_index,
                                           world_size=accelerator.num_processes)
-        self._run = PreparedRun.of(accelerator, self)
+        self._run = run
         for index, optimizer in enumerate(self._run.optimizers):
             self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(optimizer.register_step_post_hook(partial(self._after_optimizer_step, index)))

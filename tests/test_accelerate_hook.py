@@ -371,6 +371,18 @@ def test_register_twice_and_calls_before_register_are_refused(tmp_path):
         hook.save()
 
 
+def test_an_unstorable_registered_object_fails_at_register_naming_its_key_path(tmp_path):
+    run = build()
+    run[-1].schedule = lambda step: step  # a callable in state_dict(): no checkpoint can store it
+    run[-1].state_dict = lambda: {"updates": 0, "schedule": run[-1].schedule}
+    hook = LazyCheckpointHook(tmp_path / "ckpt")
+    with pytest.raises(lazyckpt.UnsupportedValueError, match=r"state\['objects'\]\[0\]\['schedule'\].*plain data"):
+        hook.register(run[0])
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), "nothing written"
+    run[-1].state_dict = lambda: {"updates": 0}
+    LazyCheckpointHook(tmp_path / "ckpt").register(run[0]).close()
+
+
 def test_close_removes_the_hooks(tmp_path):
     run = build()
     hook = LazyCheckpointHook(tmp_path, every_n_steps=1).register(run[0])
