@@ -7,7 +7,8 @@ Supported versions are the ranges in ``pyproject.toml`` (``lightning``/``pytorch
 ``LazyCheckpoint`` also overrides four private methods of ``ModelCheckpoint`` (marked ``@override``):
 ``_save_checkpoint`` (a save becomes a planned name and one lazy request), ``_link_checkpoint`` (``save_last``
 becomes a second name of the same step), ``_remove_checkpoint`` (a top-k eviction waits for the next commit) and
-``_find_last_checkpoints`` (``ckpt_path="last"`` means the newest committed step directory).
+``_find_last_checkpoints`` (``ckpt_path="last"`` means the newest committed step directory, or
+``ModelCheckpoint``'s ``last*.ckpt`` file when that is newer).
 """
 
 from __future__ import annotations

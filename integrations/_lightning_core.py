@@ -18,7 +18,8 @@ from typing_extensions import override
 
 import lazyckpt
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import CheckpointNames, CheckpointSession, Committed, SessionOptions, checkpoint_metrics
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, SessionOptions, checkpoint_metrics,
+                             newest_checkpoint)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -216,9 +217,15 @@ class LazyCheckpointMixin:
 
     @override
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set.
+        # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set, or ModelCheckpoint's
+        # last*.ckpt file when that is newer (a run switching to LazyCheckpoint resumes, never starts over).
         dirpath = _compat.resolve_checkpoint_dir(self, trainer)
-        newest = lazyckpt.latest(dirpath) if dirpath and os.path.isdir(dirpath) else None
+        if not dirpath or not os.path.isdir(dirpath):
+            return set()
+        others = super()._find_last_checkpoints(trainer)
+        newest = newest_checkpoint(dirpath, others=others)
+        if newest in others and self.save_last:
+            self.last_model_path = newest  # the next last.ckpt replaces that file instead of becoming last-v1.ckpt
         return {newest} if newest else set()
 
     # --- requests and their completion ------------------------------------------------------------------------

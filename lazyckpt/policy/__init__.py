@@ -13,6 +13,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
+| ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
+from lazyckpt.policy.resume import newest_checkpoint
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.steps import StepCounter
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter",
-           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "find_generators", "restore_rng"]
+           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "find_generators", "newest_checkpoint",
+           "restore_rng"]

@@ -1,0 +1,84 @@
+"""Switching between ModelCheckpoint and LazyCheckpoint in one directory resumes from the newest checkpoint of
+either kind; nothing starts over silently."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _lightning_helpers import make_module_class, namespace, run
+
+import lazyckpt
+from lazyckpt.policy import newest_checkpoint
+from lazyckpt.retention import committed_steps
+
+pl, LazyCheckpoint = namespace("lightning")
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+             accelerator="cpu")
+
+
+def model_checkpoint_run(dirpath, max_steps):
+    """A run with Lightning's own ModelCheckpoint: a last.ckpt file every 2 steps."""
+    pl.seed_everything(0, verbose=False)
+    callback = pl.callbacks.ModelCheckpoint(dirpath, every_n_train_steps=2, save_last=True, save_top_k=0)
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback], **QUIET)
+    trainer.fit(make_module_class(pl)())
+    return trainer
+
+
+def test_fit_last_resumes_from_model_checkpoints_last_ckpt_and_takes_over_the_name(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    model_checkpoint_run(dirpath, max_steps=4)
+    assert os.listdir(dirpath) == ["last.ckpt"] and os.path.isfile(os.path.join(dirpath, "last.ckpt"))
+
+    trainer, model, _ = run(dirpath, max_steps=8, resume="last",
+                            callback_kwargs=dict(every_n_train_steps=2, save_last=True, save_top_k=-1))
+    assert trainer.ckpt_path == os.path.join(dirpath, "last.ckpt")
+    assert len(model.losses) == 4, "steps 5 to 8 ran, not 1 to 8"
+    assert sorted(committed_steps(dirpath)) == [6, 8]
+    assert os.readlink(os.path.join(dirpath, "last.ckpt")) == "step-0000008", "the file became lazyckpt's name"
+    assert not any(name.startswith("last-v") for name in os.listdir(dirpath))
+
+
+def test_fit_last_resumes_from_a_lazyckpt_checkpoint_newer_than_a_stale_last_ckpt(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    model_checkpoint_run(dirpath, max_steps=2)
+    stale = os.path.join(dirpath, "last.ckpt")
+    os.utime(stale, (1_000_000, 1_000_000))
+    os.rename(stale, os.path.join(dirpath, "last-v3.ckpt"))  # a name ModelCheckpoint's version counter makes
+    run(dirpath, max_steps=4, callback_kwargs=dict(every_n_train_steps=2, save_top_k=-1))
+
+    trainer, model, _ = run(dirpath, max_steps=6, resume="last",
+                            callback_kwargs=dict(every_n_train_steps=2, save_top_k=-1))
+    assert trainer.ckpt_path == os.path.join(dirpath, "step-0000004")
+    assert len(model.losses) == 2
+    assert os.path.isfile(os.path.join(dirpath, "last-v3.ckpt")), "a file LazyCheckpoint does not own stays"
+
+
+def test_newest_checkpoint_compares_commit_and_file_times_and_skips_links(tmp_path):
+    dirpath = str(tmp_path)
+    with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
+        step_dir = ckpt.save({"w": torch.ones(2)}, step=3).wait()
+    manifest = os.path.join(step_dir, "manifest.json")
+    other = tmp_path / "last.ckpt"
+    other.write_bytes(b"not read")
+    link = tmp_path / "last-v1.ckpt"
+    link.symlink_to("step-0000003")
+    for older, newer in ((other, manifest), (manifest, other)):
+        os.utime(older, (1_000, 1_000))
+        os.utime(newer, (2_000, 2_000))
+        expected = step_dir if newer == manifest else str(other)
+        assert newest_checkpoint(dirpath, others=[str(other), str(link)]) == expected
+    assert newest_checkpoint(str(tmp_path / "missing"), others=[]) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert newest_checkpoint(str(empty), others=[str(other)]) == str(other)
+
+
+@pytest.mark.parametrize("save_last", [True, False])
+def test_no_checkpoint_of_either_kind_starts_a_first_run_with_lightnings_warning(tmp_path, save_last):
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        trainer, model, _ = run(str(tmp_path / "ckpt"), max_steps=2, resume="last",
+                                callback_kwargs=dict(every_n_train_steps=2, save_last=save_last))
+    assert trainer.ckpt_path is None and len(model.losses) == 2
