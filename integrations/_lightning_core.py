@@ -99,8 +99,8 @@ class LazyCheckpointMixin:
         if stage == "fit":
             check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later
         if stage == "fit" and self.session is None:
-            self.session = CheckpointSession(self.dirpath, self.options, rank=trainer.global_rank,
-                                             world_size=trainer.world_size, engine_retention=False)
+            self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
+                                                    world_size=trainer.world_size, engine_retention=False)
             self._names = CheckpointNames(self.session, resumed_from=lambda: getattr(self.trainer, "ckpt_path", None))
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
 

@@ -1,5 +1,5 @@
-"""Switching between ModelCheckpoint and LazyCheckpoint in one directory resumes from the newest checkpoint of
-either kind; nothing starts over silently."""
+"""Switching and sharing: ModelCheckpoint and LazyCheckpoint in one directory resume from the newest checkpoint of
+either kind (nothing starts over silently); LazyCheckpoint callbacks sharing a directory share its engine."""
 
 from __future__ import annotations
 
@@ -82,3 +82,35 @@ def test_no_checkpoint_of_either_kind_starts_a_first_run_with_lightnings_warning
         trainer, model, _ = run(str(tmp_path / "ckpt"), max_steps=2, resume="last",
                                 callback_kwargs=dict(every_n_train_steps=2, save_last=save_last))
     assert trainer.ckpt_path is None and len(model.losses) == 2
+
+
+def test_two_callbacks_on_one_directory_share_the_engine(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    best = LazyCheckpoint(dirpath, monitor="val_loss", save_top_k=1, filename="best-{step}")
+    every = LazyCheckpoint(dirpath, every_n_train_steps=4, save_top_k=-1, filename="every-{step}", save_last=True)
+    engines = []
+
+    class SeeEngines(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            engines.extend([best.engine, every.engine])
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_epochs=2, callbacks=[best, every, SeeEngines()], **QUIET)
+    trainer.fit(make_module_class(pl)())
+    assert engines[0] is engines[1] is not None
+    assert sorted(committed_steps(dirpath)) == [4, 8, 12, 16]
+    names = {n: os.readlink(os.path.join(dirpath, n)) for n in os.listdir(dirpath) if n.endswith(".ckpt")}
+    assert {n: t for n, t in names.items() if n.startswith("every")} == {
+        f"every-step={s}.ckpt": f"step-{s:07d}" for s in (4, 8, 12, 16)}
+    assert names["last.ckpt"] == "step-0000016"
+    assert [n for n in names if n.startswith("best")] == [os.path.basename(best.best_model_path)]
+    assert names[os.path.basename(best.best_model_path)] in {"step-0000008", "step-0000016"}
+
+
+def test_callbacks_on_one_directory_must_agree_on_retention(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    callbacks = [LazyCheckpoint(dirpath, every_n_train_steps=2), LazyCheckpoint(dirpath, keep_last_k=1)]
+    with pytest.raises(ValueError, match="same keep_last_k"):
+        pl.Trainer(max_steps=2, callbacks=callbacks, **QUIET).fit(make_module_class(pl)())
+    assert all(c.session is None for c in callbacks)
+    run(dirpath, max_steps=2, callback_kwargs=dict(keep_last_k=1, every_n_train_steps=2))

@@ -151,3 +151,41 @@ def test_a_dropped_name_releases_its_step_after_the_next_commit(tmp_path):
     assert name[2] in names and name[1] not in names and os.readlink(name[2]) == "step-0000002"
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step-", "best-"))) == [
         "best-2.ckpt", "step-0000002"]
+
+
+def test_sessions_on_one_directory_share_one_engine_and_one_snapshot_per_step(tmp_path):
+    first = CheckpointSession.shared(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
+                                     engine_retention=False)
+    second = CheckpointSession.shared(tmp_path / ".", options(engine={"fsync": False}), rank=0, world_size=1,
+                                      engine_retention=False)
+    assert second is first
+    best, every = CheckpointNames(first), CheckpointNames(second)
+    handles = []
+
+    def save(step):
+        handles.append(first.save(step, replicated={}, per_rank={"step": step}))
+        return handles[-1]
+
+    best.plan(1, str(tmp_path / "best.ckpt"))
+    every.plan(1, str(tmp_path / "every-1.ckpt"))
+    best.submit(save)
+    every.submit(save)
+    assert handles[0] is handles[1], "the second request of a step gets the first one's snapshot"
+    best.close(lambda committed: None, raise_errors=True)
+    for step in (2, 3):  # the engine stays open for the other user; its drops never delete what best names
+        every.plan(step, str(tmp_path / f"every-{step}.ckpt"))
+        every.drop(str(tmp_path / f"every-{step - 1}.ckpt"))
+        every.submit(save)
+        first.barrier()
+    every.close(lambda committed: None, raise_errors=True)
+    assert os.readlink(tmp_path / "best.ckpt") == "step-0000001"
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step-", "every-"))) == [
+        "every-3.ckpt", "step-0000001", "step-0000003"]
+    assert CheckpointSession.shared(tmp_path, options(), rank=0, world_size=1) is not first, "closed: a new one"
+
+
+def test_sessions_sharing_a_directory_must_agree_on_the_engine(tmp_path):
+    session = CheckpointSession.shared(tmp_path, options(keep_last_k=2), rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"keep_last_k=2 .*same keep_last_k and engine options"):
+        CheckpointSession.shared(tmp_path, options(keep_last_k=3), rank=0, world_size=1)
+    session.close()

@@ -64,6 +64,10 @@ class CheckpointNames:
         self._names: dict[str, int] = {}
         self._requests: list[_Request] = []
         self._current: _Request | None = None
+        session.protect(self._kept)  # also from the purges of other names sharing the session
+
+    def _kept(self) -> set[int]:
+        return set(self._names.values()) | {r.step for r in self._requests}
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
@@ -173,7 +177,6 @@ class CheckpointNames:
             if old is not None and old != step:
                 unnamed.add(old)
         if unnamed or self._session.options.keep_last_k is not None:
-            protected = aliased_steps(storage, dirpath) | set(self._names.values())
-            protected |= {r.step for r in self._requests}
+            protected = aliased_steps(storage, dirpath)
             resumed = resolve_step(storage, self._resumed_from(), dirpath)
             self._session.purge(released=unnamed, protected=protected | ({resumed} - {None}))

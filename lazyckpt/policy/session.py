@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -33,6 +34,9 @@ from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
+_OPEN: dict[str, CheckpointSession] = {}
+"""Sessions of this process by directory (:meth:`CheckpointSession.shared`); the directory lock is about others."""
+_OPEN_LOCK = threading.Lock()
 
 
 class CheckpointSession:
@@ -55,6 +59,42 @@ class CheckpointSession:
         self.engine = LazyCheckpointer(self.dirpath, **arguments)
         self._stalls: dict[int, float] = {}
         self._awaiting_barrier: int | None = None
+        self._world_size = world_size
+        self._engine_retention = engine_retention
+        self._users = 1
+        self._last: PendingCheckpoint | None = None
+        self._protectors: list[Callable[[], Collection[int]]] = []
+
+    @classmethod
+    def shared(cls, dirpath: Any, options: SessionOptions, *, rank: int, world_size: int,
+               engine_retention: bool = True) -> CheckpointSession:
+        """The session this process has open on ``dirpath``, or a new one: several integrations writing to one
+        directory (a best-by-metric and an every-N-steps callback) share one engine; each calls :meth:`close`.
+
+        Raises:
+            ValueError: the open session was made with other options (they must agree: one engine writes).
+        """
+        key = normalize_dirpath(dirpath)
+        with _OPEN_LOCK:
+            session = _OPEN.get(key)
+            if session is None:
+                session = _OPEN[key] = cls(key, options, rank=rank, world_size=world_size,
+                                           engine_retention=engine_retention)
+                return session
+            asked = (options.engine, options.keep_last_k, rank, world_size, engine_retention)
+            have = (session.options.engine, session.options.keep_last_k, session.rank, session._world_size,
+                    session._engine_retention)
+            if asked != have:
+                raise ValueError(f"{options.owner}: another {session.options.owner} of this process writes to "
+                                 f"{key} with keep_last_k={have[1]!r} and engine options {have[0]!r}; callbacks "
+                                 "sharing a directory share its engine, so give them the same keep_last_k and "
+                                 "engine options (or different directories)")
+            session._users += 1
+            return session
+
+    def protect(self, steps: Callable[[], Collection[int]]) -> None:
+        """Never let :meth:`purge` delete the steps ``steps()`` returns (names of one sharer of the session)."""
+        self._protectors.append(steps)
 
     @property
     def storage(self) -> Storage:
@@ -80,13 +120,15 @@ class CheckpointSession:
             started: when capturing this checkpoint began (``time.monotonic()``), if before this call; that time
                 counts towards its stall.
         """
+        if self._last is not None and self._last.step == step:
+            return self._last  # a second integration sharing this session asks for the step already requested
         started = time.monotonic() if started is None else started
         if self.rank == 0:
             shared = replicated() if callable(replicated) else replicated
             state, optimizers, immutable = {**shared, **per_rank}, list(optimizers), list(immutable)
         else:
             state, optimizers, immutable = dict(per_rank), [], []
-        pending = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
+        pending = self._last = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
         if not pending.skipped:
             self._awaiting_barrier = step
             self._add_stall(step, time.monotonic() - started)
@@ -107,6 +149,7 @@ class CheckpointSession:
         committed = list(committed_steps(self.dirpath))
         if not committed:
             return []
+        protected = set(protected).union(*(steps() for steps in self._protectors))
         doomed = steps_to_purge(committed, self.options.keep_last_k, just_committed=max(committed),
                                 protected=protected, released=released)
         removed = [step for step in doomed if self.engine.remove(step)]
@@ -125,7 +168,14 @@ class CheckpointSession:
         logger.info("lazyckpt: resumed step %d from %s", step, path)
 
     def close(self) -> None:
-        """Finish the checkpoints in flight and release the directory (re-raises a background failure)."""
+        """Finish the checkpoints in flight and release the directory (re-raises a background failure); a shared
+        session does so when its last user closes it."""
+        with _OPEN_LOCK:
+            self._users -= 1
+            if self._users > 0:
+                return
+            if _OPEN.get(self.dirpath) is self:
+                del _OPEN[self.dirpath]
         self.engine.close()
 
     def _add_stall(self, step: int, seconds: float) -> None:
