@@ -114,3 +114,15 @@ def test_callbacks_on_one_directory_must_agree_on_retention(tmp_path):
         pl.Trainer(max_steps=2, callbacks=callbacks, **QUIET).fit(make_module_class(pl)())
     assert all(c.session is None for c in callbacks)
     run(dirpath, max_steps=2, callback_kwargs=dict(keep_last_k=1, every_n_train_steps=2))
+
+
+@pytest.mark.parametrize("resume", ["last.ckpt", "step-0000008"])
+def test_the_step_a_run_resumed_from_is_kept_only_while_retention_keeps_it(tmp_path, resume):
+    dirpath = str(tmp_path / "ckpt")
+    options = dict(every_n_train_steps=4, save_top_k=0, save_last=True)
+    run(dirpath, max_steps=8, callback_kwargs=options)
+    assert sorted(committed_steps(dirpath)) == [8], "last.ckpt moved on from step 4, which nothing else keeps"
+    _, model, _ = run(dirpath, max_steps=16, resume=os.path.join(dirpath, resume), callback_kwargs=options)
+    assert len(model.losses) == 8, "resumed at step 8"
+    assert sorted(committed_steps(dirpath)) == [16], "step 8 went the way of step 12 once nothing named it"
+    assert os.readlink(os.path.join(dirpath, "last.ckpt")) == "step-0000016"

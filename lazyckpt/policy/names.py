@@ -55,7 +55,8 @@ class CheckpointNames:
 
     Args:
         session: the run's session (rank 0 alone changes names and deletes).
-        resumed_from: returns the path the run resumed from, never deleted.
+        resumed_from: returns the path the run resumed from: never deleted before this run's first commit, then
+            kept only while a name or ``keep_last_k`` keeps it.
     """
 
     def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None) -> None:
@@ -64,6 +65,7 @@ class CheckpointNames:
         self._names: dict[str, int] = {}
         self._requests: list[_Request] = []
         self._current: _Request | None = None
+        self._past_resume = False
         session.protect(self._kept)  # also from the purges of other names sharing the session
 
     def _kept(self) -> set[int]:
@@ -176,7 +178,14 @@ class CheckpointNames:
                 link_alias(storage, name, os.path.join(dirpath, step_dirname(step)))
             if old is not None and old != step:
                 unnamed.add(old)
+        resumed = resolve_step(storage, self._resumed_from(), dirpath)
+        if resumed is not None and request.step >= 0 and not self._past_resume:
+            # This run's first commit: the step it resumed from is no longer the only way back, so from now on
+            # retention treats it like any other step (kept while a name or keep_last_k keeps it).
+            self._past_resume = True
+            unnamed.add(resumed)
         if unnamed or self._session.options.keep_last_k is not None:
             protected = aliased_steps(storage, dirpath)
-            resumed = resolve_step(storage, self._resumed_from(), dirpath)
-            self._session.purge(released=unnamed, protected=protected | ({resumed} - {None}))
+            if not self._past_resume and resumed is not None:
+                protected.add(resumed)
+            self._session.purge(released=unnamed, protected=protected)
