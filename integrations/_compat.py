@@ -4,11 +4,12 @@ Supported versions are the ranges in ``pyproject.toml`` (``lightning``/``pytorch
 ``accelerate`` 1.x up to 1.15); a new release is checked against this file first. Nothing else in
 ``integrations/`` reads a private attribute of either framework.
 
-``LazyCheckpoint`` also overrides four private methods of ``ModelCheckpoint`` (marked ``@override``):
+``LazyCheckpoint`` also overrides five private methods of ``ModelCheckpoint`` (marked ``@override``):
 ``_save_checkpoint`` (a save becomes a planned name and one lazy request), ``_link_checkpoint`` (``save_last``
-becomes a second name of the same step), ``_remove_checkpoint`` (a top-k eviction waits for the next commit) and
+becomes a second name of the same step), ``_remove_checkpoint`` (a top-k eviction waits for the next commit),
 ``_find_last_checkpoints`` (``ckpt_path="last"`` means the newest committed step directory, or
-``ModelCheckpoint``'s ``last*.ckpt`` file when that is newer).
+``ModelCheckpoint``'s ``last*.ckpt`` file when that is newer) and ``_update_best_and_save`` (its ``verbose`` message
+waits for the commit).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 import weakref
@@ -70,6 +71,8 @@ class LazyCheckpointMixin:
         self._loaded_rng: dict[str, Any] | None = None
         self._hooks: list[Any] = []
         self._barrier = self._barrier_class(self)
+        self._announcements: dict[int, list[tuple[int, str]]] = {}
+        self._verbose_at_commit = False
         self.wait_at_epoch_start = False
 
     @property
@@ -200,10 +203,25 @@ class LazyCheckpointMixin:
         # one hook; the snapshot is requested once, when the hook returns (_submit), with the final state.
         self._names.plan(trainer.global_step, filepath)
         _compat.record_saved(self, trainer.global_step, filepath)
+        self._announce_at_commit(trainer, filepath)
 
     @override
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
         self._names.copy(filepath, linkpath)
+        self._announce_at_commit(trainer, linkpath)
+
+    @override
+    def _update_best_and_save(self, current: Any, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        # ModelCheckpoint(verbose=True) says "saving model to ..." here, at the request; ours comes at the commit.
+        self._verbose_at_commit, self.verbose = self.verbose, False
+        try:
+            super()._update_best_and_save(current, trainer, monitor_candidates)
+        finally:
+            self.verbose, self._verbose_at_commit = self._verbose_at_commit, False
+
+    def _announce_at_commit(self, trainer: Any, name: str) -> None:
+        if self.verbose or self._verbose_at_commit:
+            self._announcements.setdefault(trainer.global_step, []).append((trainer.current_epoch, name))
 
     @override
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -245,8 +263,14 @@ class LazyCheckpointMixin:
         for done in committed:
             if done.stats is not None:
                 self.stats.append(done.stats)
+            announced = self._announcements.pop(done.step, [])
             if trainer is None or not trainer.is_global_zero:
                 continue
+            for epoch, name in announced:
+                score = self.best_k_models.get(name) if self.monitor else None
+                metric = "" if score is None else f", {self.monitor!r} {float(score):0.5f}"
+                _rank_zero_info(self._namespace, f"Epoch {epoch:d}, global step {done.step:d}: saved {name!r} "
+                                                 f"(committed{metric})")
             for lg in trainer.loggers:
                 if done.stats is not None and self.log_stats:
                     lg.log_metrics(checkpoint_metrics(done.stats), step=done.step)
@@ -255,3 +279,8 @@ class LazyCheckpointMixin:
 
 def _no_trainer() -> None:
     return None
+
+
+def _rank_zero_info(namespace: str, message: str) -> None:
+    """Print like ModelCheckpoint(verbose=True) does (Lightning's console logger)."""
+    importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info(message)

@@ -3,6 +3,7 @@ either kind (nothing starts over silently); LazyCheckpoint callbacks sharing a d
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -126,3 +127,27 @@ def test_the_step_a_run_resumed_from_is_kept_only_while_retention_keeps_it(tmp_p
     assert len(model.losses) == 8, "resumed at step 8"
     assert sorted(committed_steps(dirpath)) == [16], "step 8 went the way of step 12 once nothing named it"
     assert os.readlink(os.path.join(dirpath, "last.ckpt")) == "step-0000016"
+
+
+def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path):
+    seen = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            name = message.split("'")[1] if "'" in message else None
+            seen.append((message, name is not None and os.path.isfile(os.path.join(name, "manifest.json"))))
+
+    handler = Record()
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addHandler(handler)
+    try:
+        run(str(tmp_path / "ckpt"), max_epochs=2,
+            callback_kwargs=dict(monitor="val_loss", save_top_k=1, verbose=True, save_last=True))
+    finally:
+        rank_zero_logger.removeHandler(handler)
+    saved = [(m, durable) for m, durable in seen if "saved" in m or "saving" in m]
+    assert not [m for m, _ in saved if "saving model to" in m]
+    assert [m.split(":")[0] for m, _ in saved] == ["Epoch 0, global step 8"] * 2 + ["Epoch 1, global step 16"] * 2
+    assert all(durable for _, durable in saved), "each name is a committed checkpoint when it is announced"
+    assert "'val_loss' " in saved[0][0] and "committed" in saved[0][0]
