@@ -20,7 +20,7 @@ from typing_extensions import override
 import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, SessionOptions, checkpoint_metrics,
-                             newest_checkpoint)
+                             falling_behind, newest_checkpoint, run_summary, summary_line)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -73,6 +73,7 @@ class LazyCheckpointMixin:
         self._barrier = self._barrier_class(self)
         self._announcements: dict[int, list[tuple[int, str]]] = {}
         self._verbose_at_commit = False
+        self._warned_behind = False
         self.wait_at_epoch_start = False
 
     @property
@@ -172,6 +173,11 @@ class LazyCheckpointMixin:
         super().on_train_end(trainer, pl_module)
         self._submit(trainer)
         self._poll(trainer, block=True)
+        if trainer.is_global_zero:
+            summary = run_summary(self.stats)
+            for lg in trainer.loggers if summary and self.log_stats else ():
+                lg.log_metrics(summary, step=trainer.global_step)
+            _rank_zero_info(self._namespace, summary_line(summary))
 
     def wait_staged(self) -> None:
         """The barrier: return once the in-flight snapshot no longer reads the live tensors."""
@@ -219,6 +225,12 @@ class LazyCheckpointMixin:
         finally:
             self.verbose, self._verbose_at_commit = self._verbose_at_commit, False
 
+    def _warn_if_falling_behind(self) -> None:
+        warning = None if self._warned_behind else falling_behind(self.stats)
+        if warning is not None:
+            self._warned_behind = True
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
+
     def _announce_at_commit(self, trainer: Any, name: str) -> None:
         if self.verbose or self._verbose_at_commit:
             self._announcements.setdefault(trainer.global_step, []).append((trainer.current_epoch, name))
@@ -263,6 +275,7 @@ class LazyCheckpointMixin:
         for done in committed:
             if done.stats is not None:
                 self.stats.append(done.stats)
+                self._warn_if_falling_behind()
             announced = self._announcements.pop(done.step, [])
             if trainer is None or not trainer.is_global_zero:
                 continue

@@ -151,3 +151,36 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
     assert [m.split(":")[0] for m, _ in saved] == ["Epoch 0, global step 8"] * 2 + ["Epoch 1, global step 16"] * 2
     assert all(durable for _, durable in saved), "each name is a committed checkpoint when it is announced"
     assert "'val_loss' " in saved[0][0] and "committed" in saved[0][0]
+
+
+def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path):
+    from lightning.pytorch.loggers import Logger
+
+    class Recorder(Logger):
+        name, version = "recorder", 0
+        metrics: list = []
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append((dict(metrics), step))
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addHandler(handler)
+    recorder = Recorder()
+    try:
+        _, _, callback = run(str(tmp_path / "ckpt"), max_steps=8, callback_kwargs=dict(every_n_train_steps=2),
+                             trainer_kwargs=dict(logger=recorder))
+    finally:
+        rank_zero_logger.removeHandler(handler)
+    summaries = [(m, step) for m, step in recorder.metrics if "lazyckpt/checkpoints" in m]
+    assert len(summaries) == 1 and summaries[0][1] == 8
+    summary = summaries[0][0]
+    assert summary["lazyckpt/checkpoints"] == 4 == len(callback.stats)
+    assert summary["lazyckpt/written_mb"] == pytest.approx(sum(s.nbytes for s in callback.stats) / 1e6)
+    assert summary["lazyckpt/stall_max_ms"] == pytest.approx(1e3 * max(s.stall_s for s in callback.stats))
+    assert [line for line in lines if line.startswith("lazyckpt: 4 checkpoints committed")]

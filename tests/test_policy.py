@@ -189,3 +189,30 @@ def test_sessions_sharing_a_directory_must_agree_on_the_engine(tmp_path):
     with pytest.raises(ValueError, match=r"keep_last_k=2 .*same keep_last_k and engine options"):
         CheckpointSession.shared(tmp_path, options(keep_last_k=3), rank=0, world_size=1)
     session.close()
+
+
+def test_the_run_summary_counts_stalls_time_to_durable_and_bytes():
+    from lazyckpt.policy import run_summary, summary_line
+    from lazyckpt.stats import CheckpointStats
+
+    stats = [CheckpointStats(step=s, save_s=0.001 * s, wait_s=0.001, flush_s=0.5 * s, nbytes=10**9)
+             for s in (1, 2, 3)]
+    summary = run_summary(stats)
+    assert summary == pytest.approx({"lazyckpt/checkpoints": 3, "lazyckpt/stall_median_ms": 3.0,
+                                     "lazyckpt/stall_max_ms": 4.0, "lazyckpt/durable_median_s": 1.0,
+                                     "lazyckpt/written_mb": 3000.0})
+    assert summary_line(summary) == ("lazyckpt: 3 checkpoints committed, stall median 3.0 ms / max 4.0 ms, "
+                                     "durable after 1.00 s (median), 3.00 GB written")
+    assert run_summary([]) == {} and "no checkpoint" in summary_line({})
+
+
+@pytest.mark.parametrize("stalls, warns", [((0.01, 0.02, 0.05), True), ((0.01, 0.015, 0.019), False),
+                                          ((0.05, 0.02, 0.06), False), ((0.01, 0.04), False)])
+def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warns):
+    from lazyckpt.policy import falling_behind
+    from lazyckpt.stats import CheckpointStats
+
+    message = falling_behind([CheckpointStats(step=i, save_s=s, flush_s=1.0) for i, s in enumerate(stalls)])
+    assert (message is not None) == warns
+    if warns:
+        assert "10.0 ms to 50.0 ms" in message and "host_buffer_bytes" in message and "interval" in message

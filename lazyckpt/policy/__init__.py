@@ -13,11 +13,13 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
+| ``feedback`` | :func:`run_summary` at the end of a run; :func:`falling_behind`: the write cannot keep up |
 | ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
 """
 
 from __future__ import annotations
 
+from lazyckpt.policy.feedback import falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import SessionOptions
@@ -27,5 +29,5 @@ from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.steps import StepCounter
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter",
-           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "find_generators", "newest_checkpoint",
-           "restore_rng"]
+           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
+           "newest_checkpoint", "restore_rng", "run_summary", "summary_line"]
