@@ -12,15 +12,15 @@ import importlib
 import os
 import warnings
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from weakref import proxy
 
 from typing_extensions import override
 
 import lazyckpt
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, SessionOptions, checkpoint_metrics,
-                             falling_behind, newest_checkpoint, run_summary, summary_line)
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, SessionOptions,
+                             checkpoint_metrics, falling_behind, newest_checkpoint, run_summary, summary_line)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -36,9 +36,15 @@ class LazyCheckpointMixin:
             ``last.ckpt``) are links to them. ``lazyckpt.latest(dirpath)`` gives the newest.
         keep_last_k: also keep the newest k checkpoints whatever ``save_top_k`` says. A checkpoint is deleted
             only when neither keeps it (keeping wins). None: ``save_top_k``/``save_last`` alone decide.
-        host_buffer_bytes, copy_backend, on_busy: the engine's options (``lazyckpt.CheckpointConfig``).
-        engine_options: further ``LazyCheckpointer`` arguments (``fsync``, ``commit_timeout_s``, ``storage``, ...).
-        log_stats: send each checkpoint's stall, copy and flush times and size to the trainer's loggers.
+        host_buffer_bytes: bytes of host memory that stage the lazy copies (None: one checkpoint's worth). Less
+            works too: the copy then waits for the writer, and the training thread for the copy.
+        copy_backend: how tensors are copied to host memory: ``auto``, ``cpu``, ``cuda`` or ``triton``.
+        on_busy: when a checkpoint is requested while the previous one is still being written: ``wait`` for it,
+            or ``skip`` the new one (with a warning).
+        engine_options: further ``LazyCheckpointer`` arguments (``fsync``, ``commit_timeout_s``,
+            ``min_free_bytes``, ``verify_on_load``, ``on_older_step``, ``storage``), see ``lazyckpt.CheckpointConfig``.
+        log_stats: send each checkpoint's stall, copy and flush times and size, and the run's summary, to the
+            trainer's loggers.
         **kwargs: every ``ModelCheckpoint`` argument (``filename``, ``monitor``, ``mode``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``,
             ``save_on_train_epoch_end``, ``save_weights_only``, ...), with the same meaning.
@@ -52,8 +58,10 @@ class LazyCheckpointMixin:
     _io_class: ClassVar[type]
     _barrier_class: ClassVar[type]
 
-    def __init__(self, dirpath: Any = None, *, keep_last_k: int | None = None, host_buffer_bytes: int | None = None,
-                 copy_backend: str = "auto", on_busy: str = "wait", engine_options: dict[str, Any] | None = None,
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, keep_last_k: int | None = None,
+                 host_buffer_bytes: int | None = None,
+                 copy_backend: Literal["auto", "cpu", "cuda", "triton"] = "auto",
+                 on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
                  log_stats: bool = True, **kwargs: Any) -> None:
         ours, kwargs = SessionOptions.split(kwargs)
         super().__init__(dirpath=dirpath, **kwargs)

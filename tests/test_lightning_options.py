@@ -97,3 +97,22 @@ def test_invalid_options_fail_at_construction(tmp_path):
         LazyCheckpoint(tmp_path, engine_options={"rank": 1})
     with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="save_top_k=2"):
         LazyCheckpoint(tmp_path, save_top_k=2)  # ModelCheckpoint's own validation still applies
+
+
+def test_every_argument_has_help_that_lightning_cli_shows_and_engine_options_are_typed(capsys):
+    jsonargparse = pytest.importorskip("jsonargparse")
+    from lazyckpt.integrations.lightning import LazyCheckpoint as Callback
+
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(Callback, "cb")
+    helps = {a.dest.removeprefix("cb."): a.help for a in parser._actions if a.dest.startswith("cb.")}
+    ours = ["dirpath", "keep_last_k", "host_buffer_bytes", "copy_backend", "on_busy", "engine_options", "log_stats"]
+    assert set(ours) < set(helps) and "every_n_train_steps" in helps, "ModelCheckpoint's arguments too"
+    assert [name for name, text in helps.items() if not text] == []
+    config = parser.parse_args(["--cb.engine_options", '{"fsync": false, "commit_timeout_s": 5}',
+                                "--cb.copy_backend", "cpu"])
+    assert config.cb.engine_options == {"fsync": False, "commit_timeout_s": 5.0}
+    with pytest.raises((jsonargparse.ArgumentError, SystemExit)):
+        parser.parse_args(["--cb.engine_options", '{"fsinc": false}'])
+    with pytest.raises((jsonargparse.ArgumentError, SystemExit)):
+        parser.parse_args(["--cb.on_busy", "later"])

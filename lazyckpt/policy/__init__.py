@@ -22,12 +22,12 @@ from __future__ import annotations
 from lazyckpt.policy.feedback import falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.names import CheckpointNames, Committed
-from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.options import EngineOptions, SessionOptions
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.steps import StepCounter
 
-__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "RunLayout", "SessionOptions", "StepCounter",
+__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "RunLayout", "SessionOptions", "StepCounter",
            "capture_rng", "check_fits", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
            "newest_checkpoint", "restore_rng", "run_summary", "summary_line"]

@@ -8,7 +8,7 @@ itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig
 
@@ -17,6 +17,20 @@ ENGINE_OBJECTS = ("storage", "backend")
 SET_BY_THE_RUN = ("rank", "world_size", "keep_last_k")
 """Engine arguments an integration sets itself: rank and world size from the framework, keep_last_k from its own
 argument (so that retention can also protect named checkpoints)."""
+
+
+class EngineOptions(TypedDict, total=False):
+    """Further :class:`~lazyckpt.LazyCheckpointer` arguments an integration passes through unchanged; each has the
+    meaning of the :class:`~lazyckpt.CheckpointConfig` field of that name (``storage``: a ``Storage`` object,
+    ``backend``: a copy backend object)."""
+
+    verify_on_load: bool
+    commit_timeout_s: float
+    min_free_bytes: int
+    fsync: bool
+    on_older_step: Literal["error", "move_aside"]
+    storage: Any
+    backend: Any
 
 
 @dataclass(kw_only=True)
