@@ -34,7 +34,7 @@ import torch
 
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.policy import CheckpointSession, SessionOptions, StepCounter
+from lazyckpt.policy import CheckpointSession, SessionOptions, StepCounter, project_defaults
 from lazyckpt.preflight import check_storable
 
 from . import _compat
@@ -50,9 +50,11 @@ class LazyCheckpointHook:
     """Lazy asynchronous checkpoints of an Accelerate training loop.
 
     Args:
-        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint).
+        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint). None:
+            ``<project_dir>/lazyckpt`` of the accelerator's ``ProjectConfiguration`` (set in :meth:`register`).
         every_n_steps: request a checkpoint after every n-th optimizer update; None: only on :meth:`save`.
-        keep_last_k: keep only the newest k committed checkpoints (None keeps all).
+        keep_last_k: keep only the newest k committed checkpoints. None: the ``ProjectConfiguration``'s
+            ``total_limit`` when set, else keep all.
         **options: other :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
             ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ...). ``rank`` and ``world_size`` come from
             the accelerator.
@@ -61,13 +63,13 @@ class LazyCheckpointHook:
         ValueError: an invalid option (the message names it).
     """
 
-    def __init__(self, dirpath: str | os.PathLike[str], *, every_n_steps: int | None = None,
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, every_n_steps: int | None = None,
                  keep_last_k: int | None = None, **options: Any) -> None:
         self._counter = StepCounter(every_n_steps)
         ours, engine = SessionOptions.split(options)
         self.options = SessionOptions(owner="LazyCheckpointHook", source="the accelerator in hook.register()",
                                       keep_last_k=keep_last_k, engine=engine, **ours)
-        self.dirpath = normalize_dirpath(dirpath)
+        self.dirpath = normalize_dirpath(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self._session: CheckpointSession | None = None
         self._run: PreparedRun | None = None
@@ -105,13 +107,18 @@ class LazyCheckpointHook:
 
         Raises:
             RuntimeError: already registered, or nothing was prepared.
-            ValueError: a distributed type or option this hook does not support.
+            ValueError: a distributed type or option this hook does not support, or no directory (``dirpath``
+                and the project's ``project_dir`` both None).
             UnsupportedValueError: a registered object's ``state_dict()`` holds a value no checkpoint can store
                 (found now, before training, with its key path).
         """
         if self._run is not None:
             raise RuntimeError("this LazyCheckpointHook is registered already; create one hook per Accelerator")
         _compat.refuse_unsupported_accelerator(accelerator)
+        project = accelerator.project_configuration
+        self.dirpath, self.options = project_defaults(
+            self.dirpath, self.options, project_dir=project.project_dir, total_limit=project.total_limit,
+            missing="pass dirpath, or Accelerator(project_config=ProjectConfiguration(project_dir=...))")
         run = PreparedRun.of(accelerator, self)
         check_storable(run.replicated(), what="the state LazyCheckpointHook saves", fix="return plain data "
                        "(numbers, strings, lists, dicts, tensors) from the state_dict() of what holds it")

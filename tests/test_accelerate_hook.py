@@ -16,6 +16,7 @@ from conftest import assert_tree_equal, clone_tree
 import lazyckpt
 from lazyckpt import LazyCheckpointHook
 from lazyckpt.integrations.accelerate import CheckpointMismatchError
+from lazyckpt.retention import committed_steps
 
 STEPS_PER_EPOCH = 4
 pytestmark = pytest.mark.filterwarnings("error:lazyckpt. no forward:RuntimeWarning")  # every request must overlap
@@ -381,6 +382,44 @@ def test_an_unstorable_registered_object_fails_at_register_naming_its_key_path(t
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), "nothing written"
     run[-1].state_dict = lambda: {"updates": 0}
     LazyCheckpointHook(tmp_path / "ckpt").register(run[0]).close()
+
+
+def project_run(**project):
+    """An Accelerator with a ProjectConfiguration, one prepared model and optimizer."""
+    from accelerate.utils import ProjectConfiguration
+
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(**project))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def train_steps(acc, model, opt, steps):
+    for _ in range(steps):
+        acc.backward(model(torch.randn(8, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    model(torch.randn(1, 4))  # the forward after the last update issues its checkpoint
+
+
+def test_project_dir_and_total_limit_are_the_defaults_of_dirpath_and_keep_last_k(tmp_path):
+    acc, model, opt = project_run(project_dir=str(tmp_path / "proj"), total_limit=2)
+    with LazyCheckpointHook(every_n_steps=1).register(acc) as hook:
+        train_steps(acc, model, opt, 4)
+    assert hook.dirpath == str(tmp_path / "proj" / "lazyckpt")
+    assert sorted(committed_steps(hook.dirpath)) == [3, 4]
+    reset_accelerate()
+    acc, model, opt = project_run(project_dir=str(tmp_path / "proj"), total_limit=2)
+    with LazyCheckpointHook(tmp_path / "mine", every_n_steps=1, keep_last_k=3).register(acc) as hook:
+        train_steps(acc, model, opt, 4)
+    assert sorted(committed_steps(str(tmp_path / "mine"))) == [2, 3, 4], "the hook's own arguments win"
+
+
+def test_no_dirpath_and_no_project_dir_is_refused_at_register(tmp_path):
+    acc, _, _ = project_run()
+    with pytest.raises(ValueError, match=r"dirpath=None.*ProjectConfiguration\(project_dir=...\)"):
+        LazyCheckpointHook(every_n_steps=1).register(acc)
 
 
 def test_close_removes_the_hooks(tmp_path):

@@ -6,7 +6,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 | module | owns |
 |---|---|
-| ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction |
+| ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings |
 | ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
 | ``steps`` | :class:`StepCounter`: steps from optimizer updates, and when a checkpoint is due |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
@@ -22,7 +22,7 @@ from __future__ import annotations
 from lazyckpt.policy.feedback import falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.names import CheckpointNames, Committed
-from lazyckpt.policy.options import EngineOptions, SessionOptions
+from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
@@ -30,4 +30,4 @@ from lazyckpt.policy.steps import StepCounter
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "RunLayout", "SessionOptions", "StepCounter",
            "capture_rng", "check_fits", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "newest_checkpoint", "restore_rng", "run_summary", "summary_line"]
+           "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line"]

@@ -7,10 +7,12 @@ itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engin
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
-from lazyckpt.config import CheckpointConfig
+from lazyckpt.config import CheckpointConfig, normalize_dirpath
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
@@ -72,3 +74,21 @@ class SessionOptions:
         """``LazyCheckpointer`` keyword arguments; ``retention``: the engine applies ``keep_last_k`` itself."""
         return {**self.engine, "rank": rank, "world_size": world_size,
                 "keep_last_k": self.keep_last_k if retention else None}
+
+
+def project_defaults(dirpath: str | os.PathLike[str] | None, options: SessionOptions, *, project_dir: str | None,
+                     total_limit: int | None, missing: str, subdir: str = "lazyckpt") -> tuple[str, SessionOptions]:
+    """``dirpath`` and ``keep_last_k`` from a framework's project settings where the integration was given none:
+    ``project_dir/subdir`` (a folder of its own: the framework may prune its own checkpoint folder by name) and
+    ``total_limit``.
+
+    Raises:
+        ValueError: no ``dirpath`` and no ``project_dir``; ``missing`` says how to give one.
+    """
+    if dirpath is None:
+        if project_dir is None:
+            raise ValueError(f"{options.owner}(dirpath=None) has no directory to write to: {missing}")
+        dirpath = os.path.join(project_dir, subdir)
+    if options.keep_last_k is None and total_limit is not None:
+        options = dataclasses.replace(options, keep_last_k=total_limit)
+    return normalize_dirpath(dirpath), options
