@@ -129,7 +129,8 @@ def test_the_step_a_run_resumed_from_is_kept_only_while_retention_keeps_it(tmp_p
     assert os.readlink(os.path.join(dirpath, "last.ckpt")) == "step-0000016"
 
 
-def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path):
+def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")  # whatever earlier tests set
     seen = []
 
     class Record(logging.Handler):
@@ -153,7 +154,8 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
     assert "'val_loss' " in saved[0][0] and "committed" in saved[0][0]
 
 
-def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path):
+def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")
     from lightning.pytorch.loggers import Logger
 
     class Recorder(Logger):
