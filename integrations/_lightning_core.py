@@ -79,7 +79,7 @@ class LazyCheckpointMixin:
         self._loaded_rng: dict[str, Any] | None = None
         self._hooks: list[Any] = []
         self._barrier = self._barrier_class(self)
-        self._announcements: dict[int, list[tuple[int, str]]] = {}
+        self._announcements: dict[int, list[tuple[int, str, str]]] = {}
         self._verbose_at_commit = False
         self._warned_behind = False
         self.wait_at_epoch_start = False
@@ -241,7 +241,9 @@ class LazyCheckpointMixin:
 
     def _announce_at_commit(self, trainer: Any, name: str) -> None:
         if self.verbose or self._verbose_at_commit:
-            self._announcements.setdefault(trainer.global_step, []).append((trainer.current_epoch, name))
+            score = self.best_k_models.get(name) if self.monitor else None  # now: top-k may evict it before the commit
+            metric = "" if score is None else f", {self.monitor!r} {float(score):0.5f}"
+            self._announcements.setdefault(trainer.global_step, []).append((trainer.current_epoch, name, metric))
 
     @override
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -287,9 +289,7 @@ class LazyCheckpointMixin:
             announced = self._announcements.pop(done.step, [])
             if trainer is None or not trainer.is_global_zero:
                 continue
-            for epoch, name in announced:
-                score = self.best_k_models.get(name) if self.monitor else None
-                metric = "" if score is None else f", {self.monitor!r} {float(score):0.5f}"
+            for epoch, name, metric in announced:
                 _rank_zero_info(self._namespace, f"Epoch {epoch:d}, global step {done.step:d}: saved {name!r} "
                                                  f"(committed{metric})")
             for lg in trainer.loggers:

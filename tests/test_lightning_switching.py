@@ -129,17 +129,19 @@ def test_the_step_a_run_resumed_from_is_kept_only_while_retention_keeps_it(tmp_p
     assert os.readlink(os.path.join(dirpath, "last.ckpt")) == "step-0000016"
 
 
-def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")  # whatever earlier tests set
+def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path, monkeypatch):
+    from lazyckpt.integrations import _lightning_core
+
     seen = []
 
-    class Record(logging.Handler):
-        def emit(self, record):
-            message = record.getMessage()
-            name = message.split("'")[1] if "'" in message else None
-            seen.append((message, name is not None and os.path.isfile(os.path.join(name, "manifest.json"))))
+    def record(namespace, message):  # Lightning's rank_zero_info, as LazyCheckpoint calls it
+        name = message.split("'")[1] if "'" in message else None
+        seen.append((message, name is not None and os.path.isfile(os.path.join(name, "manifest.json"))))
 
-    handler = Record()
+    monkeypatch.setattr(_lightning_core, "_rank_zero_info", record)
+    requested = []
+    handler = logging.Handler()
+    handler.emit = lambda record: requested.append(record.getMessage())
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_logger.addHandler(handler)
     try:
@@ -147,6 +149,7 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
             callback_kwargs=dict(monitor="val_loss", save_top_k=1, verbose=True, save_last=True))
     finally:
         rank_zero_logger.removeHandler(handler)
+    assert not [m for m in requested if "saving model to" in m]
     saved = [(m, durable) for m, durable in seen if "saved" in m or "saving" in m]
     assert not [m for m, _ in saved if "saving model to" in m]
     assert [m.split(":")[0] for m, _ in saved] == ["Epoch 0, global step 8"] * 2 + ["Epoch 1, global step 16"] * 2
@@ -154,8 +157,8 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
     assert "'val_loss' " in saved[0][0] and "committed" in saved[0][0]
 
 
-def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero")
+def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, monkeypatch):
+    from lazyckpt.integrations import _lightning_core
     from lightning.pytorch.loggers import Logger
 
     class Recorder(Logger):
@@ -169,16 +172,10 @@ def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, capl
             pass
 
     lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    rank_zero_logger.addHandler(handler)
+    monkeypatch.setattr(_lightning_core, "_rank_zero_info", lambda namespace, message: lines.append(message))
     recorder = Recorder()
-    try:
-        _, _, callback = run(str(tmp_path / "ckpt"), max_steps=8, callback_kwargs=dict(every_n_train_steps=2),
-                             trainer_kwargs=dict(logger=recorder))
-    finally:
-        rank_zero_logger.removeHandler(handler)
+    _, _, callback = run(str(tmp_path / "ckpt"), max_steps=8, callback_kwargs=dict(every_n_train_steps=2),
+                         trainer_kwargs=dict(logger=recorder))
     summaries = [(m, step) for m, step in recorder.metrics if "lazyckpt/checkpoints" in m]
     assert len(summaries) == 1 and summaries[0][1] == 8
     summary = summaries[0][0]
