@@ -138,11 +138,12 @@ class LazyCheckpointHook:
         """
         self._require_registered("resume")
         self._drain_copies()
-        resolved = os.fspath(path) if path is not None else self._run.newest(self.dirpath)
+        resolved = os.fspath(path) if path is not None else self._run.newest(self._session)
         if resolved is None:
             logger.info("lazyckpt: no committed checkpoint in %s; starting from step 0", self.dirpath)
             return 0
-        step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load)["step"]
+        step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load,
+                                      load=self._session.load)["step"]
         self._counter.restart(step)
         self._requested_step, self._pending, self._boundary = step, None, None
         self._session.resumed(step, resolved)

@@ -35,7 +35,15 @@ def pytest_collection_modifyitems(config, items):
 STORAGE_BACKENDS = {
     "local": lambda tmp_path: (LocalStorage(), str(tmp_path)),
     "memory": lambda tmp_path: (MemoryStorage(), "/checkpoints"),
+    "fsspec-memory": lambda tmp_path: (_fsspec_storage("memory://"), f"memory://{tmp_path}"),
+    "fsspec-file": lambda tmp_path: (_fsspec_storage("file://"), f"file://{tmp_path}"),
 }
+
+
+def _fsspec_storage(url: str) -> Storage:
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    return FsspecStorage(url)
 
 
 @pytest.fixture(params=sorted(STORAGE_BACKENDS))
