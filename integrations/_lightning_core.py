@@ -35,6 +35,8 @@ class LazyCheckpointMixin:
             only when neither keeps it (keeping wins). None: ``save_top_k``/``save_last`` alone decide.
         host_buffer_bytes, copy_backend, on_busy: the engine's options (``lazyckpt.CheckpointConfig``).
         engine_options: further ``LazyCheckpointer`` arguments (``fsync``, ``commit_timeout_s``, ``storage``, ...).
+        remote, remote_every_n, remote_keep_last_k, storage_options: a remote level behind ``dirpath`` (an
+            fsspec URL); ``ckpt_path="last"`` fetches its newest checkpoint when that is newer (docs/remote.md).
         log_stats: send each checkpoint's stall, copy and flush times and size to the trainer's loggers.
         **kwargs: every ``ModelCheckpoint`` argument (``filename``, ``monitor``, ``mode``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``,
@@ -215,7 +217,7 @@ class LazyCheckpointMixin:
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set.
         dirpath = _compat.resolve_checkpoint_dir(self, trainer)
-        newest = lazyckpt.latest(dirpath) if dirpath and os.path.isdir(dirpath) else None
+        newest = self.options.newest_on_this_node(os.fspath(dirpath)) if dirpath else None
         return {newest} if newest else set()
 
     # --- requests and their completion ------------------------------------------------------------------------

@@ -49,12 +49,14 @@ class LazyCheckpointHook:
     """Lazy asynchronous checkpoints of an Accelerate training loop.
 
     Args:
-        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint).
+        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint), or an fsspec
+            URL (``s3://bucket/run``: a local spool directory, every checkpoint uploaded; docs/remote.md).
         every_n_steps: request a checkpoint after every n-th optimizer update; None: only on :meth:`save`.
         keep_last_k: keep only the newest k committed checkpoints (None keeps all).
         **options: other :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
-            ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ...). ``rank`` and ``world_size`` come from
-            the accelerator.
+            ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ``remote``, ``storage_options``, ...). ``rank``
+            and ``world_size`` come from the accelerator. With ``remote``, :meth:`resume` takes the newest checkpoint
+            of either level.
 
     Raises:
         ValueError: an invalid option (the message names it).

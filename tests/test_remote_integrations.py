@@ -53,3 +53,21 @@ def test_accelerate_with_a_url_dirpath_resumes_from_it(tmp_path, s3_remote):
     hook.close()
     assert_tree_equal(final_state(second)["model"], expected["model"])
 
+
+
+def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_path, s3_remote):
+    import torch
+    from _lightning_helpers import run
+
+    url, options = s3_remote
+    _, reference, _ = run(str(tmp_path / "reference"), max_epochs=3)
+    remote = {"save_top_k": -1, "remote": url, "storage_options": options}
+    run(str(tmp_path / "node-a"), max_epochs=2, callback_kwargs=remote)
+    shutil.rmtree(tmp_path / "node-a")
+    newest = lazyckpt.latest(url, storage_options=options)
+    assert newest is not None
+    trainer, resumed, _ = run(str(tmp_path / "node-b"), max_epochs=3, resume="last", callback_kwargs=remote)
+    fetched = tmp_path / "node-b" / newest.rsplit("/", 1)[-1]
+    assert trainer.ckpt_path == str(fetched), "resumed from the copy fetched from the remote level"
+    for key, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key

@@ -81,13 +81,17 @@ class FsspecStorage:
         finally:
             handle.discard()
 
-    # --- bulk transfers (the uploader) -----------------------------------------------------------------------
+    # --- bulk transfers (uploads and fetches) ---------------------------------------------------------------------
 
     def upload_file(self, local_path: str, path: str) -> None:
         """Stream a local file to ``path`` in multipart pieces, never holding the whole file in memory."""
         kwargs = {"chunksize": PART_BYTES, "max_concurrency": MAX_CONCURRENCY} if self._is_s3 else {}
         self._make_parent(path)
         self.fs.put_file(local_path, self._path(path), **kwargs)
+
+    def download_file(self, path: str, local_path: str) -> None:
+        """Stream the object ``path`` into the local file ``local_path``."""
+        self.fs.get_file(self._path(path), local_path)
 
     def _make_parent(self, path: str) -> None:
         if self.protocol in ("file", "local", "memory"):  # object stores have no directories to create
