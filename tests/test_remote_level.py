@@ -46,6 +46,18 @@ def test_restore_from_the_remote_with_the_local_directory_deleted_is_bit_exact(t
     lazyckpt.verify(newest, storage_options=options)
 
 
+def test_uploads_read_the_local_level_through_its_storage(trained, any_remote):
+    from lazyckpt.storage.memory import MemoryStorage
+
+    url, options = any_remote
+    model, opt = trained
+    local = MemoryStorage()  # not plain files: the upload must go through the Storage seam, piece by piece
+    with lazyckpt.LazyCheckpointer("/node/ckpt", storage=local, remote=url, storage_options=options) as ckpt:
+        assert ckpt.save(snapshot(model, opt), step=5, optimizers=[opt]).wait_remote() == f"{url}/step-0000005"
+        expected = clone_tree(snapshot(model, opt))
+    assert_tree_equal(lazyckpt.load(f"{url}/step-0000005", storage_options=options), expected)
+
+
 def test_a_corrupted_remote_object_is_named_by_load_and_verify(tmp_path, trained, s3_remote):
     url, options = s3_remote
     model, opt = trained
