@@ -49,7 +49,7 @@ class FsspecStorage:
     through :meth:`open_write` (pieces in any order) is spooled to a local temporary file and sent as one
     multipart upload by :meth:`close`. Listings and ``stat`` bypass fsspec's listing cache, so another process's
     commit is seen at once. There are no symbolic links (:attr:`has_links` is False), and :meth:`lock` is
-    exclusive within this process only.
+    exclusive within this process only. On S3 an empty directory is an empty ``prefix/`` marker object.
 
     Args:
         url: any URL of the file system (only its scheme and options matter).
@@ -112,7 +112,19 @@ class FsspecStorage:
         info = self.stat(path)
         if info is not None and info.kind is not FileKind.DIR:
             raise FileExistsError(errno.EEXIST, "File exists", path)
-        self.fs.makedirs(self._path(path), exist_ok=True)
+        if self._is_s3:
+            if info is None:
+                self._put_directory_marker(path)
+        else:
+            self.fs.makedirs(self._path(path), exist_ok=True)
+
+    def _put_directory_marker(self, path: str) -> None:
+        """S3 has no directories, only key prefixes: an empty object named ``prefix/`` makes an empty directory
+        exist (as the S3 console does), so ``stat``, ``list_dir`` and ``sync_dir`` see it."""
+        bucket, _, key = self._path(path).partition("/")
+        self.fs.makedirs(bucket, exist_ok=True)  # creates the bucket when missing
+        if key:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key.rstrip("/") + "/", Body=b"")
 
     def rename(self, src: str, dst: str, *, sync: bool) -> None:
         """A copy and a delete on object stores: not atomic there (the remote level never renames)."""
@@ -124,8 +136,26 @@ class FsspecStorage:
             if self.list_dir(dst):
                 raise OSError(errno.ENOTEMPTY, "Directory not empty", dst)
             self.fs.rm(self._path(dst), recursive=True)  # rename(2) replaces an empty directory
-        self.fs.mv(self._path(src), self._path(dst), recursive=moving.kind is FileKind.DIR)
+        if self._is_s3 and moving.kind is FileKind.DIR:
+            self._move_prefix(src, dst)
+        else:
+            self.fs.mv(self._path(src), self._path(dst), recursive=moving.kind is FileKind.DIR)
         self.fs.invalidate_cache()
+
+    def _move_prefix(self, src: str, dst: str) -> None:
+        """Copy every object below ``src`` (directory markers included) to ``dst``, then delete them."""
+        bucket, _, old = self._path(src).rstrip("/").partition("/")
+        new = self._path(dst).rstrip("/").partition("/")[2]
+        listing = {"Bucket": bucket, "Prefix": old + "/"}
+        while True:
+            page = self.fs.call_s3("list_objects_v2", **listing)
+            for item in page.get("Contents", []):
+                self.fs.call_s3("copy_object", Bucket=bucket, Key=new + item["Key"][len(old):],
+                                CopySource={"Bucket": bucket, "Key": item["Key"]})
+            if not page.get("IsTruncated"):
+                break
+            listing["ContinuationToken"] = page["NextContinuationToken"]
+        self.remove_tree(src)
 
     def remove_file(self, path: str) -> None:
         info = self.stat(path)
@@ -180,7 +210,7 @@ class FsspecStorage:
         self.fs.invalidate_cache()
         base = self._path(path).rstrip("/")
         entries = self.fs.ls(base, detail=True)
-        if len(entries) == 1 and entries[0]["name"].rstrip("/") == base and entries[0]["type"] == "file":
+        if len(entries) == 1 and entries[0]["name"] == base and entries[0]["type"] == "file":  # "x/": a marker
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
         return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["name"].rstrip("/") != base]
 
