@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lazyckpt import latest, load
-from lazyckpt.policy import RunLayout, capture_rng, check_fits, find_generators, restore_rng
+from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
 
 from . import _compat
 
@@ -119,20 +119,22 @@ class PreparedRun:
                           param_groups=[[len(g["params"]) for g in o["param_groups"]] for o in saved["optimizers"]])
         return there, here, []
 
-    def newest(self, dirpath: str) -> str | None:
+    def newest(self, session: CheckpointSession) -> str | None:
         """The newest committed checkpoint, as process 0 sees it: every process must restore the same one."""
-        chosen = [latest(dirpath) if self.accelerator.is_main_process else None]
+        chosen = [session.newest() if self.accelerator.is_main_process else None]
         if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(chosen, from_process=0)
         return chosen[0]
 
-    def restore_from(self, path: str, *, verify: bool) -> dict[str, Any]:
+    def restore_from(self, path: str, *, verify: bool, load: Callable[..., Any]) -> dict[str, Any]:
         """Check that the checkpoint at ``path`` fits, then restore it; returns its shared (process 0) tree.
 
         Raises:
             CheckpointMismatchError: it does not fit (nothing was changed).
+
+        ``load`` is ``lazyckpt.load`` or the session's (which reads a remote URL with the run's options).
         """
         shared = load(path, verify=verify)
         saved, here, problems = self.layouts(shared)

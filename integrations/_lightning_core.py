@@ -43,6 +43,8 @@ class LazyCheckpointMixin:
             or ``skip`` the new one (with a warning).
         engine_options: further ``LazyCheckpointer`` arguments (``fsync``, ``commit_timeout_s``,
             ``min_free_bytes``, ``verify_on_load``, ``on_older_step``, ``storage``), see ``lazyckpt.CheckpointConfig``.
+        remote, remote_every_n, remote_keep_last_k, storage_options: a remote level behind ``dirpath`` (an
+            fsspec URL); ``ckpt_path="last"`` fetches its newest checkpoint when that is newer (docs/remote.md).
         log_stats: send each checkpoint's stall, copy and flush times and size, and the run's summary, to the
             trainer's loggers.
         **kwargs: every ``ModelCheckpoint`` argument (``filename``, ``monitor``, ``mode``, ``save_top_k``,
@@ -260,7 +262,10 @@ class LazyCheckpointMixin:
         # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set, or ModelCheckpoint's
         # last*.ckpt file when that is newer (a run switching to LazyCheckpoint resumes, never starts over).
         dirpath = _compat.resolve_checkpoint_dir(self, trainer)
-        if not dirpath or not os.path.isdir(dirpath):
+        if not dirpath:
+            return set()
+        self.options.newest_on_this_node(os.fspath(dirpath))  # a newer remote checkpoint is fetched here first
+        if not os.path.isdir(dirpath):
             return set()
         others = super()._find_last_checkpoints(trainer)
         newest = newest_checkpoint(dirpath, others=others)

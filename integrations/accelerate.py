@@ -50,14 +50,16 @@ class LazyCheckpointHook:
     """Lazy asynchronous checkpoints of an Accelerate training loop.
 
     Args:
-        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint). None:
+        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint), or an fsspec
+            URL (``s3://bucket/run``: a local spool directory, every checkpoint uploaded; docs/remote.md). None:
             ``<project_dir>/lazyckpt`` of the accelerator's ``ProjectConfiguration`` (set in :meth:`register`).
         every_n_steps: request a checkpoint after every n-th optimizer update; None: only on :meth:`save`.
         keep_last_k: keep only the newest k committed checkpoints. None: the ``ProjectConfiguration``'s
             ``total_limit`` when set, else keep all.
         **options: other :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
-            ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ...). ``rank`` and ``world_size`` come from
-            the accelerator.
+            ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ``remote``, ``storage_options``, ...). ``rank``
+            and ``world_size`` come from the accelerator. With ``remote``, :meth:`resume` takes the newest checkpoint
+            of either level.
 
     Raises:
         ValueError: an invalid option (the message names it).
@@ -151,11 +153,12 @@ class LazyCheckpointHook:
         """
         self._require_registered("resume")
         self._drain_copies()
-        resolved = os.fspath(path) if path is not None else self._run.newest(self.dirpath)
+        resolved = os.fspath(path) if path is not None else self._run.newest(self._session)
         if resolved is None:
             logger.info("lazyckpt: no committed checkpoint in %s; starting from step 0", self.dirpath)
             return 0
-        step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load)["step"]
+        step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load,
+                                      load=self._session.load)["step"]
         self._counter.restart(step)
         self._requested_step, self._pending, self._boundary = step, None, None
         self._session.resumed(step, resolved)

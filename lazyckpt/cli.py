@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from rich.tree import Tree
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import FORMATS, export
 from lazyckpt.format import MANIFEST, STEP_DIR
+from lazyckpt.remote.urls import is_url
 from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.storage import FileKind, LocalStorage, Storage
@@ -209,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ls", help="list the committed checkpoints of a directory")
-    p.add_argument("dirpath")
+    p.add_argument("dirpath", help="a directory or an fsspec URL (s3://bucket/run)")
     p.set_defaults(fn=_Cli.ls)
     p = sub.add_parser("show", help="print a checkpoint's state as a tree (dtype, shape, bytes per subtree)")
     p.add_argument("path")
@@ -233,13 +235,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-duplicates", action="store_true",
                    help="safetensors: store bit-identical tensors (tied weights) under every name")
     p.set_defaults(fn=_Cli.export)
+    for p in sub.choices.values():
+        p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                       help='fsspec options for a URL, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
     return parser
 
 
 def main(argv: list[str] | None = None, *, storage: Storage | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cli = _Cli(storage if storage is not None else LocalStorage(), Console(), Console(stderr=True))
+    if storage is None:
+        storage = _storage_for(args)
+    cli = _Cli(storage, Console(), Console(stderr=True))
     return args.fn(cli, args)
+
+
+def _storage_for(args: argparse.Namespace) -> Storage:
+    """Local files, or an fsspec storage when the checkpoint arguments are URLs (all of one file system)."""
+    paths = [getattr(args, name) for name in ("dirpath", "path") if hasattr(args, name)] + getattr(args, "paths", [])
+    urls = [p for p in paths if is_url(p)]
+    if not urls:
+        return LocalStorage()
+    if len(urls) != len(paths) or len({u.split("://", 1)[0] for u in urls}) > 1:
+        raise SystemExit(f"lazyckpt: {paths} mix local paths and URLs of different kinds; give one kind per call")
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    return FsspecStorage(urls[0], args.storage_options)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import Any
+
+from lazyckpt.remote.urls import check_url, is_url
 
 
 class CopyBackendName(str, enum.Enum):
@@ -75,6 +78,18 @@ class CheckpointConfig:
     """Make every file durable before commit. Turn off only for throwaway runs (tests of speed, tmpfs)."""
     on_older_step: OnOlderStep | str = OnOlderStep.ERROR
     """``"error"`` or ``"move_aside"`` (see :class:`OnOlderStep`)."""
+    remote: str | None = None
+    """An fsspec URL (``s3://bucket/run``, ``file:///shared/run``, ...): the remote level behind ``dirpath``
+    (see docs/remote.md). Needs ``pip install 'lazyckpt[remote]'``."""
+    remote_every_n: int = 1
+    """Upload the checkpoints whose step is a multiple of this."""
+    remote_keep_last_k: int | None = None
+    """Keep only the newest k checkpoints on the remote level (None keeps all)."""
+    storage_options: dict[str, Any] | None = None
+    """Passed to fsspec for ``remote`` or a URL ``dirpath`` (for s3fs e.g. ``endpoint_url``, ``key``, ``secret``)."""
+    spool_dir: str | None = None
+    """The node-local directory used when ``dirpath`` is a URL (default: a private one under the system temp
+    directory)."""
 
     def __post_init__(self) -> None:
         self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
@@ -94,12 +109,17 @@ class CheckpointConfig:
             raise ValueError(f"commit_timeout_s={self.commit_timeout_s!r} must be positive")
         if self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes={self.min_free_bytes!r} must be >= 0")
+        from lazyckpt.remote.options import check_remote_options
+
+        check_remote_options(self)
 
 
 def normalize_dirpath(dirpath: str | os.PathLike[str]) -> str:
-    """An absolute path string for ``dirpath``, with a clear error for an unusable value."""
+    """An absolute path string for ``dirpath`` (a URL stays a URL), with a clear error for an unusable value."""
     if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
         raise ValueError(f"dirpath={dirpath!r} must be a non-empty path to a directory")
+    if is_url(dirpath):
+        return check_url("dirpath", dirpath)
     return os.path.abspath(os.fspath(dirpath))
 
 

@@ -32,6 +32,8 @@ from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
 from lazyckpt.job import CheckpointJob
 from lazyckpt.lifecycle import commit_job, discard, finalize
+from lazyckpt.remote.options import split_levels
+from lazyckpt.remote.upload import RemoteLevel, RemoteUpload, open_remote_level, wait_for_upload
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
@@ -47,9 +49,11 @@ _OPEN: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
 class PendingCheckpoint:
     """The handle ``save()`` returns. ``wait()`` gives the committed directory (``None`` if the request was skipped)."""
 
-    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int) -> None:
+    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int,
+                 upload: RemoteUpload | None = None) -> None:
         self._checkpointer = checkpointer
         self._job = job
+        self._upload = upload
         self.step = step
         self.skipped = job is None
         self.path = None if job is None else job.final_dir
@@ -77,6 +81,20 @@ class PendingCheckpoint:
             raise self._job.error  # always: this handle's checkpoint failed, whoever saw the error first
         return self.path
 
+    def wait_remote(self, timeout: float | None = None) -> str | None:
+        """Block until this checkpoint is committed on the remote level; returns its URL, or ``None`` when this
+        step is not due for upload (or the request was skipped).
+
+        Raises:
+            TimeoutError: not committed remotely within ``timeout`` seconds.
+            BaseException: the local or the upload failure of this checkpoint (the original exception object).
+        """
+        if self._upload is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait(timeout)
+        return wait_for_upload(self._upload, _remaining(deadline))
+
     @property
     def failed(self) -> bool:
         """True once this checkpoint has failed (see :attr:`error`)."""
@@ -93,7 +111,9 @@ class LazyCheckpointer:
 
     Args:
         dirpath: directory that holds one ``step-NNNNNNN/`` directory per committed checkpoint.
-        storage: file-system seam (default :class:`~lazyckpt.storage.LocalStorage`).
+        storage: file-system seam (default :class:`~lazyckpt.storage.LocalStorage`). Without it a URL
+            ``dirpath`` (``s3://bucket/run``) is the remote level behind a local spool directory (docs/remote.md);
+            with it, ``dirpath`` is passed to ``storage`` as it is.
         backend: a ready :class:`~lazyckpt.staging.CopyBackend` instance, overriding ``copy_backend`` (for
             custom copy paths and tests).
         **options: the fields of :class:`~lazyckpt.config.CheckpointConfig` (``keep_last_k``,
@@ -105,7 +125,10 @@ class LazyCheckpointer:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
         self.config = CheckpointConfig(**options)
         self.dirpath = normalize_dirpath(dirpath)
+        if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
+            self.dirpath, self.config = split_levels(self.dirpath, self.config)
         self.storage: Storage = storage if storage is not None else LocalStorage()
+        self.remote: RemoteLevel | None = open_remote_level(self.config, self.storage)  # fails here, not at a save
         self.storage.make_dir(self.dirpath)
         self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
         try:
@@ -153,6 +176,7 @@ class LazyCheckpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
         self._deliver_error(self._job)
+        self._deliver_remote_error()
         final_dir = os.path.join(self.dirpath, step_dirname(step))
         if self.storage.stat(final_dir) is not None or (self._job is not None and self._job.step == step and not self._job.failed):
             raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
@@ -168,7 +192,8 @@ class LazyCheckpointer:
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
         self._job = job
-        self._pending = PendingCheckpoint(self, job, step)
+        upload = self.remote.ticket(job) if self.remote is not None else None
+        self._pending = PendingCheckpoint(self, job, step, upload)
         self._copier.submit(job)
         job.stats.save_s = time.monotonic() - started
         return self._pending
@@ -182,6 +207,7 @@ class LazyCheckpointer:
         if self._job is not None:
             self._barrier(self._job)
             self._deliver_error(self._job)
+        self._deliver_remote_error()
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint of ``step`` (for callers with their own retention, e.g. top-k).
@@ -210,7 +236,7 @@ class LazyCheckpointer:
         return self._pending if self._pending is not None and not self._pending.done() else None
 
     def close(self) -> None:
-        """Finish the in-flight checkpoint, stop the copier and release the directory. Idempotent."""
+        """Finish the in-flight checkpoint and its upload, stop the copier and release the directory. Idempotent."""
         if getattr(self, "_closed", True):
             return
         if self._pid != os.getpid():
@@ -218,6 +244,8 @@ class LazyCheckpointer:
         try:
             if self._job is not None:
                 self._drain(self._job, deliver=False)
+            if self.remote is not None:
+                self.remote.close()
         finally:
             self._closed = True
             _OPEN.discard(self)
@@ -225,6 +253,7 @@ class LazyCheckpointer:
                 self._copier.stop()
             self._lock.release()
         self._deliver_error(self._job)
+        self._deliver_remote_error()
 
     def __enter__(self) -> LazyCheckpointer:
         return self
@@ -260,6 +289,10 @@ class LazyCheckpointer:
             for newer_step in newer:
                 move_aside(self.dirpath, newer_step, self.storage)
         self._newest_committed = None
+
+    def _deliver_remote_error(self) -> None:
+        if self.remote is not None:
+            self.remote.deliver_error()
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
@@ -337,6 +370,8 @@ class LazyCheckpointer:
             self._newest_committed = max(self._newest_committed, job.step)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
+        if self.remote is not None:
+            self.remote.submit(job.step, job.final_dir)
         if job.rank == 0:
             try:
                 self._purge(job.step)
@@ -345,7 +380,9 @@ class LazyCheckpointer:
 
     def _purge(self, just_committed: int) -> None:
         steps = committed_steps(self.dirpath, self.storage)
-        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed):
+        uploading = [s for s in steps if self.remote is not None and self.remote.holds(s)]
+        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,
+                                   protected=uploading):  # purged by a later commit once uploaded
             self.remove(step)
 
     def __del__(self) -> None:

@@ -6,6 +6,11 @@ cap, manifest and header seal, schema rule, tree node and chunk checksum.
 Example:
     >>> path = latest("runs/ckpt")                      # doctest: +SKIP
     >>> state = load(path, map_location="cpu")          # doctest: +SKIP
+    >>> state = load(latest("s3://bucket/run", storage_options={"anon": False}))   # doctest: +SKIP
+
+Every function also takes an fsspec URL (``s3://``, ``gs://``, ``file://``, ``memory://``) for ``path``/``dirpath``,
+with ``storage_options`` passed to fsspec: it is read through :class:`~lazyckpt.storage.fsspec.FsspecStorage`, with
+fresh listings (another process's commit is seen at once) and the same checks as local files.
 """
 
 from __future__ import annotations
@@ -16,34 +21,38 @@ from typing import Any
 import torch
 
 from lazyckpt.reader import CheckpointReader, Progress
+from lazyckpt.remote.urls import storage_for
 from lazyckpt.retention import committed_steps
 from lazyckpt.storage import Storage
 
 
-def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None) -> str | None:
-    """The newest committed checkpoint directory under ``dirpath``, or ``None`` when there is none."""
-    steps = committed_steps(os.fspath(dirpath), storage)
+def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
+           storage_options: dict[str, Any] | None = None) -> str | None:
+    """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none."""
+    steps = committed_steps(*storage_for(dirpath, storage, storage_options))
     return steps[max(steps)] if steps else None
 
 
-def checkpoint_step(path: str | os.PathLike[str], *, storage: Storage | None = None) -> int:
-    """The step a committed checkpoint directory holds."""
-    return CheckpointReader(os.fspath(path), storage).top["step"]
+def checkpoint_step(path: str | os.PathLike[str], *, storage: Storage | None = None,
+                    storage_options: dict[str, Any] | None = None) -> int:
+    """The step a committed checkpoint directory (or URL) holds."""
+    return CheckpointReader(*storage_for(path, storage, storage_options)).top["step"]
 
 
 def load(path: str | os.PathLike[str], *, map_location: str | torch.device | None = None, verify: bool = True,
-         rank: int | None = None, storage: Storage | None = None) -> Any:
+         rank: int | None = None, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """Load the state saved in a committed checkpoint directory.
 
     Tensor bytes are read straight into the returned tensors (on ``map_location``'s device through a small
     reused host buffer), and checksums are checked on worker threads while reading goes on.
 
     Args:
-        path: a ``step-NNNNNNN`` directory (see :func:`latest`).
+        path: a ``step-NNNNNNN`` directory (see :func:`latest`), or its URL on a remote level.
         map_location: device to put every tensor on (default: CPU).
         verify: check every chunk's checksum (on by default). Manifests and headers are always checked.
         rank: whose state to load in a multi-rank checkpoint (default 0).
         storage: where the files live (default: local files).
+        storage_options: passed to fsspec when ``path`` is a URL.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.
@@ -51,7 +60,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
             or key path).
         CheckpointCorruptError: a checksum does not match (the message names file, tensor and chunk).
     """
-    reader = CheckpointReader(os.fspath(path), storage)
+    reader = CheckpointReader(*storage_for(path, storage, storage_options))
     rank = 0 if rank is None else rank
     if type(rank) is not int or not 0 <= rank < reader.world_size:
         raise ValueError(f"rank={rank!r} is out of range: {reader.path} was saved by {reader.world_size} rank(s)")
@@ -59,11 +68,12 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
     return reader.read_rank(rank, load=True, verify=verify, map_location=device)
 
 
-def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, progress: Progress | None = None) -> None:
+def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, progress: Progress | None = None,
+           storage_options: dict[str, Any] | None = None) -> None:
     """Run every check :func:`load` runs, on every rank, without keeping the tensors; raises on the first problem.
 
     ``progress`` (optional) is called with the number of tensor bytes checked so far, piece by piece.
     """
-    reader = CheckpointReader(os.fspath(path), storage)
+    reader = CheckpointReader(*storage_for(path, storage, storage_options))
     for rank in range(reader.world_size):
         reader.read_rank(rank, load=False, verify=True, progress=progress)

@@ -35,7 +35,24 @@ def pytest_collection_modifyitems(config, items):
 STORAGE_BACKENDS = {
     "local": lambda tmp_path: (LocalStorage(), str(tmp_path)),
     "memory": lambda tmp_path: (MemoryStorage(), "/checkpoints"),
+    "fsspec-memory": lambda tmp_path: (_fsspec_storage("memory://"), f"memory://{tmp_path}"),
+    "fsspec-file": lambda tmp_path: (_fsspec_storage("file://"), f"file://{tmp_path}"),
+    "fsspec-s3": lambda tmp_path: _s3_storage(),
 }
+
+
+def _s3_storage() -> tuple[Storage, str]:
+    from _remote_helpers import fresh_bucket, shared_moto_endpoint
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    url, options = fresh_bucket(shared_moto_endpoint())
+    return FsspecStorage(url, options), url
+
+
+def _fsspec_storage(url: str) -> Storage:
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    return FsspecStorage(url)
 
 
 @pytest.fixture(params=sorted(STORAGE_BACKENDS))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig, normalize_dirpath
+from lazyckpt.loading import latest
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
@@ -47,10 +48,20 @@ class SessionOptions:
     """Further :class:`~lazyckpt.LazyCheckpointer` arguments (``host_buffer_bytes``, ``copy_backend``, ...)."""
     keep_last_k: int | None = None
     """Keep the newest k committed checkpoints (also when nothing else names them); None keeps all."""
+    remote: str | None = None
+    """An fsspec URL: the remote level behind the local directory (docs/remote.md)."""
+    remote_every_n: int = 1
+    """Upload the checkpoints whose step is a multiple of this."""
+    remote_keep_last_k: int | None = None
+    """Keep only the newest k checkpoints on the remote level (None keeps all)."""
+    storage_options: dict[str, Any] | None = None
+    """Passed to fsspec for ``remote`` or a URL directory (for s3fs e.g. ``endpoint_url``, ``key``, ``secret``)."""
 
     _config: CheckpointConfig = field(init=False, repr=False)
 
     _NOT_USER_OPTIONS: ClassVar[tuple[str, ...]] = ("owner", "source", "engine")
+    _REMOTE_OPTIONS: ClassVar[tuple[str, ...]] = ("remote", "remote_every_n", "remote_keep_last_k", "storage_options")
+    """Options the engine applies as they are (its ``CheckpointConfig`` fields of the same names)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.keep_last_k, bool):
@@ -60,6 +71,8 @@ class SessionOptions:
             spelled = ", ".join(f"{k}=..." for k in taken)
             raise ValueError(f"{self.owner}({spelled}) is not accepted: rank and world_size come from {self.source}, "
                              "and keep_last_k is an argument of its own")
+        self.engine = {**self.engine, **{k: getattr(self, k) for k in self._REMOTE_OPTIONS
+                                         if getattr(self, k) != type(self).__dataclass_fields__[k].default}}
         config = {k: v for k, v in self.engine.items() if k not in ENGINE_OBJECTS}
         self._config = CheckpointConfig(keep_last_k=self.keep_last_k, **config)  # every check, now
 
@@ -69,6 +82,15 @@ class SessionOptions:
         names = {f.name for f in fields(cls) if f.init} - set(cls._NOT_USER_OPTIONS)
         ours = {k: v for k, v in keywords.items() if k in names}
         return ours, {k: v for k, v in keywords.items() if k not in names}
+
+    def newest_on_this_node(self, dirpath: str) -> str | None:
+        """The newest committed checkpoint in ``dirpath`` or on the remote level, as a local directory (a newer
+        remote one is fetched into ``dirpath`` first, e.g. on a fresh node); None when there is none."""
+        if self._config.remote is None:
+            return latest(dirpath) if os.path.isdir(dirpath) else None
+        from lazyckpt.remote.fetch import newest_on_this_node
+
+        return newest_on_this_node(dirpath, self._config.remote, self._config.storage_options)
 
     def engine_arguments(self, *, rank: int, world_size: int, retention: bool) -> dict[str, Any]:
         """``LazyCheckpointer`` keyword arguments; ``retention``: the engine applies ``keep_last_k`` itself."""

@@ -29,7 +29,10 @@ import torch
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.job import CheckpointStats
+from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
+from lazyckpt.remote.catalog import newest_checkpoint
+from lazyckpt.remote.urls import is_url
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.storage import Storage
 
@@ -146,7 +149,7 @@ class CheckpointSession:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.retention.steps_to_purge`):
         ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one or the newest.
         Returns the steps deleted."""
-        committed = list(committed_steps(self.dirpath))
+        committed = list(committed_steps(self.engine.dirpath, self.storage))
         if not committed:
             return []
         protected = set(protected).union(*(steps() for steps in self._protectors))
@@ -160,12 +163,23 @@ class CheckpointSession:
     def resumed(self, step: int, path: str) -> None:
         """Note that the run continues from ``step`` (restored from ``path``); warns when newer checkpoints exist,
         because saving a step that is already committed fails."""
-        newer = [s for s in committed_steps(self.dirpath) if s > step]
+        newer = [s for s in committed_steps(self.engine.dirpath, self.storage) if s > step]
         if newer:
             warnings.warn(f"lazyckpt: resumed {path}, but step {max(newer)} is newer in {self.dirpath}; saving a step "
                           "that is already committed fails, so move the newer checkpoints away before training on",
                           RuntimeWarning, stacklevel=3)
         logger.info("lazyckpt: resumed step %d from %s", step, path)
+
+    def newest(self) -> str | None:
+        """The newest committed checkpoint of this run: on the local level or, with a remote level, there (its
+        URL) when it is newer, e.g. on a fresh node whose local directory is empty."""
+        config = self.engine.config
+        return newest_checkpoint(self.engine.dirpath, config.remote, config.storage_options)
+
+    def load(self, path: str, **kwargs: Any) -> Any:
+        """``lazyckpt.load(path, ...)``, reading a remote URL with this run's ``storage_options``."""
+        options = self.engine.config.storage_options if is_url(path) else None
+        return load(path, storage_options=options, **kwargs)
 
     def close(self) -> None:
         """Finish the checkpoints in flight and release the directory (re-raises a background failure); a shared

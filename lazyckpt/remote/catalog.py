@@ -1,0 +1,61 @@
+"""What a remote level holds: committed steps, partial uploads, and the commit-aware removal of a step.
+
+A remote step ``step-NNNNNNN/`` is committed when its ``manifest.json`` exists: it is the last object written.
+Removal deletes the manifest first, so a removal cut short leaves an uncommitted step that readers ignore and
+the next run cleans up, never a "committed" step with missing files.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+
+from lazyckpt.format import MANIFEST
+from lazyckpt.remote.urls import join
+from lazyckpt.retention import committed_steps
+from lazyckpt.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]:
+    """``({step: step URL}, [URLs of uncommitted step entries])`` under ``url`` (an absent prefix holds nothing).
+
+    Entries not named ``step-*`` are not ours and are left alone.
+    """
+    committed = committed_steps(url, storage)
+    try:
+        names = storage.list_dir(url)
+    except (FileNotFoundError, NotADirectoryError):
+        return committed, []
+    kept = {posixpath.basename(u) for u in committed.values()}
+    return committed, [join(url, n) for n in names if n.startswith("step-") and n not in kept]
+
+
+def remove_partial_uploads(storage: Storage, url: str) -> list[str]:
+    """Delete uploads that a crash or a failure left without their commit object; returns their URLs."""
+    _, partial = remote_steps(storage, url)
+    for entry in partial:
+        storage.remove_tree(entry)
+    if partial:
+        logger.info("lazyckpt: removed %d partial upload(s) left by an earlier run under %s", len(partial), url)
+    return partial
+
+
+def remove_remote_step(storage: Storage, step_url: str) -> None:
+    """Un-commit (delete ``manifest.json``), then delete the rest of the step."""
+    try:
+        storage.remove_file(join(step_url, MANIFEST))
+    except FileNotFoundError:
+        pass
+    storage.remove_tree(step_url)
+
+
+def newest_checkpoint(local_dir: str, remote: str | None, storage_options: dict | None) -> str | None:
+    """The newest checkpoint committed on the local level or on ``remote``; the local copy when both hold that
+    step. On a fresh node whose local directory is empty this is the remote's newest (its URL)."""
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    found = committed_steps(remote, FsspecStorage(remote, storage_options)) if remote is not None else {}
+    found.update(committed_steps(local_dir))
+    return found[max(found)] if found else None

@@ -1,0 +1,47 @@
+"""Bringing a remote checkpoint to this node: for frameworks that resume only from a local path (Lightning).
+
+A step is fetched object by object into ``dirpath/step-NNNNNNN.partial`` and renamed to its final name once
+every object is there, so a fetch cut short is a partial directory (removed by the next checkpointer), never a
+committed local checkpoint. Checksums are checked when the fetched copy is loaded, as for any local checkpoint.
+
+Example:
+    >>> path = newest_on_this_node("runs/ckpt", "s3://bucket/run", {"endpoint_url": "..."})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from typing import Any
+
+from lazyckpt.format import PARTIAL_SUFFIX
+from lazyckpt.remote.catalog import newest_checkpoint
+from lazyckpt.remote.urls import is_url, join
+from lazyckpt.storage import LocalStorage
+from lazyckpt.storage.fsspec import FsspecStorage
+
+logger = logging.getLogger(__name__)
+
+
+def newest_on_this_node(dirpath: str, remote: str | None, storage_options: dict[str, Any] | None) -> str | None:
+    """The newest checkpoint of the local and the remote level, as a local directory: fetched into ``dirpath``
+    when only the remote holds it (e.g. on a fresh node); None when neither holds one."""
+    newest = newest_checkpoint(dirpath, remote, storage_options)
+    if newest is None or not is_url(newest):
+        return newest
+    return fetch_step(newest, storage_options, dirpath)
+
+
+def fetch_step(step_url: str, storage_options: dict[str, Any] | None, dirpath: str) -> str:
+    """Copy the committed remote checkpoint ``step_url`` into ``dirpath``; returns the local directory."""
+    remote, local = FsspecStorage(step_url, storage_options), LocalStorage()
+    name = posixpath.basename(step_url.rstrip("/"))
+    final, partial = os.path.join(dirpath, name), os.path.join(dirpath, name + PARTIAL_SUFFIX)
+    local.remove_tree(partial)
+    local.make_dir(partial)
+    for member in remote.list_dir(step_url):
+        remote.download_file(join(step_url, member), os.path.join(partial, member))
+    local.rename(partial, final, sync=True)
+    logger.info("lazyckpt: fetched %s from the remote level to %s", step_url, final)
+    return final

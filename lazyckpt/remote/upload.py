@@ -1,0 +1,246 @@
+"""The remote level: committed local checkpoints uploaded in the background, committed and pruned remotely.
+
+One uploader thread per checkpointer takes committed step directories from the local level (never tensors from
+the training process) and streams them to ``remote/step-NNNNNNN/``: each rank its own tensor file, then its
+rank manifest; rank 0 then waits until every rank's upload is durable and writes ``manifest.json`` last, the
+commit object readers look for. Older remote steps are pruned only after a newer one is committed there.
+
+The thread starts like every lazyckpt background thread (one torch thread, a lower priority), so it never
+competes with the training thread for a core it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lazyckpt.format import MANIFEST, rank_file, rank_manifest, step_dirname
+from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
+from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.storage.fsspec import FsspecStorage
+from lazyckpt.remote.rendezvous import wait_for_rank_uploads, wait_for_remote_commit
+from lazyckpt.remote.urls import join
+from lazyckpt.retention import steps_to_purge
+from lazyckpt.threads import WRITER_NICE, start_background_thread
+
+if TYPE_CHECKING:
+    from lazyckpt.config import CheckpointConfig
+    from lazyckpt.job import CheckpointJob
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteUnreachableError(OSError):
+    """The remote level cannot be listed or written (wrong URL, credentials, endpoint, or network)."""
+
+
+@dataclass(eq=False)
+class RemoteUpload:
+    """One step due for upload: finished once it is committed remotely, failed, or cancelled."""
+
+    step: int
+    url: str
+    job: CheckpointJob
+    """The local checkpoint: nothing is uploaded when it fails."""
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    error_delivered: bool = False
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+_COPY_BYTES = 8 << 20
+"""Piece size when a local level that is not plain files (e.g. in memory) is copied to the remote."""
+
+
+def open_remote_level(config: CheckpointConfig, local: Storage) -> RemoteLevel | None:
+    """The remote level ``config`` asks for, checked for reachability now; None without ``remote``."""
+    if config.remote is None:
+        return None
+    return RemoteLevel(config.remote, config.storage_options, local, every_n=config.remote_every_n,
+                       keep_last_k=config.remote_keep_last_k, rank=config.rank, world_size=config.world_size,
+                       timeout_s=config.commit_timeout_s)
+
+
+def wait_for_upload(upload: RemoteUpload, timeout: float | None) -> str:
+    """The remote URL of ``upload`` once committed there; raises its failure (once reported, still raised)."""
+    if not upload.done.wait(timeout):
+        raise TimeoutError(f"checkpoint of step {upload.step} not committed on {upload.url} within {timeout}s")
+    if upload.error is not None:
+        upload.error_delivered = True
+        raise upload.error
+    return upload.url
+
+
+class RemoteLevel:
+    """Uploads, commits and prunes checkpoints on one remote URL for one rank.
+
+    Args:
+        url: the remote directory (``s3://bucket/run``, ``file:///shared/run``, ...).
+        storage_options: passed to fsspec.
+        local: the local level's storage, which the uploads read from.
+        every_n: upload the checkpoints whose step is a multiple of this.
+        keep_last_k: remote retention (None keeps all).
+        rank, world_size: this process's place; each rank uploads its own files.
+        timeout_s: how long rank 0 waits for the other ranks' uploads.
+
+    Raises:
+        RemoteUnreachableError: the remote cannot be listed or created (checked here, not at the first upload).
+    """
+
+    def __init__(self, url: str, storage_options: dict | None, local: Storage, *, every_n: int,
+                 keep_last_k: int | None, rank: int, world_size: int, timeout_s: float) -> None:
+        self.local = local
+        self.url, self.every_n, self.keep_last_k = url, every_n, keep_last_k
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.storage = FsspecStorage(url, storage_options)
+        self._probe()
+        self._uploads: dict[int, RemoteUpload] = {}
+        self._failed: list[RemoteUpload] = []
+        self.completed: list[RemoteUpload] = []
+        """Uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the throughput)."""
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[RemoteUpload, str] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def _probe(self) -> None:
+        try:
+            self.storage.make_dir(self.url)
+            if self.rank == 0:
+                remove_partial_uploads(self.storage, self.url)
+            else:
+                remote_steps(self.storage, self.url)
+        except Exception as e:
+            raise RemoteUnreachableError(
+                f"remote={self.url!r} is not reachable: {type(e).__name__}: {e}. Check the URL, the credentials and "
+                "storage_options (for S3: endpoint_url, key, secret), and that the bucket or directory can be "
+                "created") from e
+
+    # --- the engine's side ----------------------------------------------------------------------------------
+
+    def ticket(self, job: CheckpointJob) -> RemoteUpload | None:
+        """Register ``job``'s step for upload when it is due (called by ``save()``); None when it is not."""
+        step = job.step
+        if step % self.every_n != 0:
+            return None
+        upload = RemoteUpload(step=step, url=join(self.url, step_dirname(step)), job=job)
+        with self._lock:
+            self._uploads[step] = upload
+        return upload
+
+    def submit(self, step: int, local_dir: str) -> None:
+        """Queue the committed local checkpoint of ``step`` (commit thread; returns at once)."""
+        upload = self._uploads.get(step)
+        if upload is None:
+            return
+        if self._thread is None:
+            self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=WRITER_NICE)
+        self._queue.put((upload, local_dir))
+
+    def cancel(self, step: int) -> None:
+        """The local checkpoint of ``step`` failed: there is nothing to upload (its own error is reported)."""
+        with self._lock:
+            upload = self._uploads.pop(step, None)
+        if upload is not None:
+            upload.done.set()
+
+    def holds(self, step: int) -> bool:
+        """True while the local checkpoint of ``step`` is still being uploaded (local retention must wait)."""
+        upload = self._uploads.get(step)
+        return upload is not None and not upload.done.is_set()
+
+    def deliver_error(self) -> None:
+        """Raise the first upload failure not reported yet (the original exception, with a note)."""
+        with self._lock:
+            pending = [u for u in self._failed if not u.error_delivered]
+            self._failed = []
+        if pending:
+            for later in pending[1:]:
+                logger.error("lazyckpt: upload of step %d also failed: %r", later.step, later.error)
+            pending[0].error_delivered = True
+            raise pending[0].error
+
+    def drain(self) -> None:
+        """Wait until every queued upload is finished (committed or failed)."""
+        for upload in list(self._uploads.values()):
+            upload.job.wait_done()
+            if upload.job.error is not None:  # never committed locally: nothing to upload
+                self.cancel(upload.step)
+            upload.done.wait()
+
+    def close(self) -> None:
+        self.drain()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    # --- the uploader thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            upload, local_dir = item
+            started = time.monotonic()
+            try:
+                upload.nbytes = self._upload(upload, local_dir)
+                upload.seconds = time.monotonic() - started
+                logger.info("lazyckpt: uploaded step %d (%.1f MB) to %s in %.3fs", upload.step,
+                            upload.nbytes / 1e6, upload.url, upload.seconds)
+                self.completed.append(upload)
+                if self.rank == 0:
+                    self._prune(upload.step)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread at its next call
+                e.add_note(f"lazyckpt: while uploading step {upload.step} to {upload.url} (rank {self.rank}); "
+                           "the local checkpoint is intact and later steps are still uploaded")
+                upload.error = e
+                with self._lock:
+                    self._failed.append(upload)
+            finally:
+                with self._lock:
+                    self._uploads.pop(upload.step, None)
+                upload.done.set()
+
+    def _upload(self, upload: RemoteUpload, local_dir: str) -> int:
+        mine = [rank_file(self.rank, self.world_size), rank_manifest(self.rank)]  # the manifest last: it
+        if self.rank == 0:                                                           # marks the upload durable
+            owned = {rank_file(r, self.world_size) for r in range(self.world_size)}
+            owned |= {rank_manifest(r) for r in range(self.world_size)} | {MANIFEST}
+            mine[:0] = sorted(n for n in self.local.list_dir(local_dir) if n not in owned)
+        nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name)) for name in mine)
+        if self.rank != 0:
+            wait_for_remote_commit(self.storage, upload.url, self.timeout_s)
+            return nbytes
+        wait_for_rank_uploads(self.storage, upload.url, self.world_size, self.timeout_s)
+        return nbytes + self._copy(os.path.join(local_dir, MANIFEST), join(upload.url, MANIFEST))  # the commit
+
+    def _copy(self, src: str, dst: str) -> int:
+        """Copy one committed local file to the remote in pieces; returns its size."""
+        if isinstance(self.local, LocalStorage):  # s3fs streams the file itself, parts in parallel
+            self.storage.upload_file(src, dst)
+            return os.path.getsize(src)
+        handle, out = self.local.open_read(src), self.storage.open_write(dst)
+        try:
+            piece, offset = bytearray(_COPY_BYTES), 0
+            while got := handle.read_into(offset, memoryview(piece)):
+                self.storage.write(out, offset, [memoryview(piece)[:got]])
+                offset += got
+        except BaseException:
+            out.discard()
+            raise
+        finally:
+            handle.close()
+        self.storage.close(out, sync=True)
+        return offset
+
+    def _prune(self, just_committed: int) -> None:
+        try:
+            committed, _ = remote_steps(self.storage, self.url)
+            for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
+                remove_remote_step(self.storage, committed[step])
+        except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
+            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)

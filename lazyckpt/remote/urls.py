@@ -1,0 +1,56 @@
+"""Telling URLs from local paths, so that ``s3://bucket/run`` never becomes a local folder named ``s3:``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from typing import Any
+
+from lazyckpt.storage import Storage
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def is_url(path: object) -> bool:
+    """True for ``scheme://...`` strings (``s3://``, ``gs://``, ``file://``, ``memory://``, ...)."""
+    return isinstance(path, str) and _SCHEME.match(path) is not None
+
+
+def check_url(name: str, url: object) -> str:
+    """``url`` without a trailing slash, or a ``ValueError`` naming the argument and the fix."""
+    if not is_url(url):
+        raise ValueError(f"{name}={url!r} must be an fsspec URL such as 's3://bucket/run' or "
+                         "'file:///shared/fs/run' (a scheme followed by '://')")
+    stripped = url.rstrip("/")
+    if stripped.endswith(":/") or stripped.endswith(":"):
+        raise ValueError(f"{name}={url!r} names no bucket or directory; add one, e.g. 's3://bucket/run'")
+    return stripped
+
+
+def join(url: str, *names: str) -> str:
+    """``url/name/...`` (URLs always use ``/``, whatever the local separator)."""
+    return "/".join([url.rstrip("/"), *names])
+
+
+def default_spool_dir(url: str) -> str:
+    """The private node-local directory used when ``dirpath`` is a URL: under the system temp directory (never
+    the working directory), one per URL so ranks of one node share it and two runs do not."""
+    digest = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "lazyckpt-spool", digest)
+
+
+def storage_for(path: str | os.PathLike[str], storage: Storage | None,
+                storage_options: dict[str, Any] | None) -> tuple[str, Storage | None]:
+    """``(path, storage)`` to read ``path`` through: the caller's ``storage`` when given (it receives the path as
+    it is, URL or not), else an fsspec storage for a URL, else ``None`` (local files)."""
+    if storage is None and is_url(path):
+        from lazyckpt.storage.fsspec import FsspecStorage
+
+        url = check_url("path", path)
+        return url, FsspecStorage(url, storage_options)
+    if storage_options is not None:
+        raise ValueError(f"storage_options={storage_options!r} applies to URLs read through fsspec, and {path!r} is "
+                         "not one (or storage= was given); drop storage_options or pass an fsspec URL")
+    return os.fspath(path), storage

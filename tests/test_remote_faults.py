@@ -1,0 +1,122 @@
+"""Remote-level failures: unreachable at start, lost mid-run, an upload cut short by an error or by SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import lazyckpt
+from _remote_helpers import free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
+from conftest import snapshot, step
+from lazyckpt.remote.catalog import remote_steps
+from lazyckpt.storage.fsspec import FsspecStorage
+from lazyckpt.remote.upload import RemoteUnreachableError
+
+
+class FlakyRemote(FsspecStorage):
+    """The real remote, except that while ``fail`` is set an upload dies after the tensor file went up."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.fail = False
+
+    def upload_file(self, local_path, path):
+        if self.fail and path.endswith(".json"):
+            raise ConnectionError(f"connection to the object store lost (injected) while writing {path}")
+        super().upload_file(local_path, path)
+
+
+def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):
+    url = "s3://bucket/run"
+    with pytest.raises(RemoteUnreachableError, match=r"remote='s3://bucket/run' is not reachable.*endpoint_url"):
+        lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=s3_options(f"http://127.0.0.1:{free_port()}"))
+    lazyckpt.LazyCheckpointer(tmp_path).close()  # the failed construction left the directory unlocked
+
+
+def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_uploads_resume(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
+    flaky = ckpt.remote.storage = FlakyRemote(url, options)
+    assert ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait_remote() == f"{url}/step-0000001"
+    flaky.fail = True
+    step(model, opt, seed=2)
+    assert ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait() == str(tmp_path / "step-0000002")
+    ckpt.remote.drain()
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000001"
+    with pytest.raises(ConnectionError, match="injected") as failure:
+        ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
+    assert f"while uploading step 2 to {url}/step-0000002" in "\n".join(failure.value.__notes__)
+    flaky.fail = False
+    pending = ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
+    assert pending.wait_remote() == f"{url}/step-0000003"
+    ckpt.close()
+    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [1, 2, 3]
+    committed, partial = remote_steps(FsspecStorage(url, options), url)
+    assert sorted(committed) == [1, 3] and partial == [f"{url}/step-0000002"]
+    lazyckpt.LazyCheckpointer(tmp_path / "next", remote=url, storage_options=options).close()
+    assert remote_steps(FsspecStorage(url, options), url)[1] == [], "the next run removes the partial upload"
+
+
+def test_wait_remote_and_close_raise_a_failed_upload_with_step_and_url(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
+    ckpt.remote.storage = FlakyRemote(url, options)
+    ckpt.remote.storage.fail = True
+    pending = ckpt.save(snapshot(model, opt), step=4, optimizers=[opt])
+    with pytest.raises(ConnectionError) as failure:
+        pending.wait_remote()
+    assert f"{url}/step-0000004" in "\n".join(failure.value.__notes__)
+    ckpt.close()  # already delivered through wait_remote(): not raised twice
+    step(model, opt, seed=5)
+    other = lazyckpt.LazyCheckpointer(tmp_path / "other", remote=url, storage_options=options)
+    other.remote.storage = FlakyRemote(url, options)
+    other.remote.storage.fail = True
+    other.save(snapshot(model, opt), step=5, optimizers=[opt])
+    with pytest.raises(ConnectionError, match="injected"):
+        other.close()
+    assert os.path.isdir(tmp_path / "other" / "step-0000005"), "a failed upload deletes nothing"
+
+
+_KILLED_CHILD = textwrap.dedent("""
+    import sys, threading, torch, lazyckpt
+    from lazyckpt.storage.fsspec import FsspecStorage
+    url, endpoint, local = sys.argv[1:4]
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+               "client_kwargs": {"region_name": "eu-west-1"}}
+
+    class Hanging(FsspecStorage):
+        def upload_file(self, local_path, path):
+            if path.endswith(".json"):              # the tensor file is up; stop before the manifests
+                print("UPLOADING", flush=True)
+                threading.Event().wait()
+            super().upload_file(local_path, path)
+
+    ckpt = lazyckpt.LazyCheckpointer(local, remote=url, storage_options=options)
+    ckpt.remote.storage = Hanging(url, options)
+    ckpt.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, step=9).wait()
+    threading.Event().wait()
+""")
+
+
+@pytest.mark.slow
+def test_an_upload_killed_midway_never_becomes_latest_and_the_next_run_cleans_it(tmp_path, s3_remote, moto_endpoint):
+    url, options = s3_remote
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, url, moto_endpoint, str(tmp_path / "a")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "UPLOADING"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    committed, partial = remote_steps(FsspecStorage(url, options), url)
+    assert committed == {} and partial == [f"{url}/step-0000009"]
+    assert lazyckpt.latest(url, storage_options=options) is None
+    lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options).close()
+    assert remote_steps(FsspecStorage(url, options), url) == ({}, [])

@@ -1,0 +1,73 @@
+"""The remote level through the integrations: resume on a fresh node whose local directory is empty."""
+
+from __future__ import annotations
+
+import shutil
+
+from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from conftest import assert_tree_equal
+from test_accelerate_hook import (STEPS_PER_EPOCH, build, final_state, fresh_accelerate_state,  # noqa: F401
+                                  reset_accelerate, train)
+
+import lazyckpt
+from lazyckpt import LazyCheckpointHook
+
+
+def test_accelerate_resumes_from_the_remote_when_the_local_directory_is_empty(tmp_path, s3_remote):
+    url, options = s3_remote
+    reference = build()
+    train(reference, range(2))
+    expected = final_state(reference)
+    reset_accelerate()
+
+    first = build()
+    hook = LazyCheckpointHook(tmp_path / "node-a", every_n_steps=STEPS_PER_EPOCH, remote=url,
+                              storage_options=options).register(first[0])
+    train(first, range(1))
+    hook.close()
+    shutil.rmtree(tmp_path / "node-a")
+    reset_accelerate()
+
+    second = build()
+    hook = LazyCheckpointHook(tmp_path / "node-b", every_n_steps=STEPS_PER_EPOCH, remote=url,
+                              storage_options=options).register(second[0])
+    assert hook.resume() == STEPS_PER_EPOCH
+    train(second, range(1, 2))
+    hook.close()
+    assert_tree_equal(final_state(second), expected)
+
+
+def test_accelerate_with_a_url_dirpath_resumes_from_it(tmp_path, s3_remote):
+    url, options = s3_remote
+    first = build()
+    hook = LazyCheckpointHook(url, every_n_steps=STEPS_PER_EPOCH, spool_dir=str(tmp_path / "spool-a"),
+                              storage_options=options).register(first[0])
+    train(first, range(1))
+    hook.close()
+    expected = final_state(first)
+    reset_accelerate()
+    second = build()
+    hook = LazyCheckpointHook(url, every_n_steps=STEPS_PER_EPOCH, spool_dir=str(tmp_path / "spool-b"),
+                              storage_options=options).register(second[0])
+    assert hook.resume() == STEPS_PER_EPOCH
+    hook.close()
+    assert_tree_equal(final_state(second)["model"], expected["model"])
+
+
+
+def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_path, s3_remote):
+    import torch
+    from _lightning_helpers import run
+
+    url, options = s3_remote
+    _, reference, _ = run(str(tmp_path / "reference"), max_epochs=3)
+    remote = {"save_top_k": -1, "remote": url, "storage_options": options}
+    run(str(tmp_path / "node-a"), max_epochs=2, callback_kwargs=remote)
+    shutil.rmtree(tmp_path / "node-a")
+    newest = lazyckpt.latest(url, storage_options=options)
+    assert newest is not None
+    trainer, resumed, _ = run(str(tmp_path / "node-b"), max_epochs=3, resume="last", callback_kwargs=remote)
+    fetched = tmp_path / "node-b" / newest.rsplit("/", 1)[-1]
+    assert trainer.ckpt_path == str(fetched), "resumed from the copy fetched from the remote level"
+    for key, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
