@@ -197,12 +197,13 @@ def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
     assert_tree_equal(lazyckpt.load(saved), expected)
 
 
-def test_a_checkpoint_written_by_format_version_1_loads_and_verifies(tmp_path):
-    """tests/data/format-v1 was written by the previous release (format version 1, no seals)."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_written_by_an_earlier_format_version_loads_and_verifies(tmp_path, version):
+    """tests/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no sharding)."""
     import math
     import shutil
 
-    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "format-v1", "step-0000007"),
+    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", f"format-v{version}", "step-0000007"),
                            tmp_path / "step-0000007")
     state = lazyckpt.load(path)
     assert torch.equal(state["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
