@@ -21,7 +21,9 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, Chec
                              StepOrderError, UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
+from lazyckpt.reshard import load_into
 from lazyckpt.rng import capture_rng_state, restore_rng_state
+from lazyckpt.sharding import PerRank
 from lazyckpt.state import Deferred
 
 _INTEGRATIONS = {
@@ -43,8 +45,8 @@ __all__ = sorted([
     "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
-    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
+    "LazyCheckpointHook", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint", "PerRank",
     "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
     "__version__", "capture_rng_state", "checkpoint_step",
-    "latest", "load", "restore_rng_state", "verify",
+    "latest", "load", "load_into", "restore_rng_state", "verify",
 ])

@@ -13,12 +13,14 @@ from collections.abc import Callable
 from lazyckpt.commit import commit
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.job import CheckpointJob, JobState
+from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 
-def finalize(job: CheckpointJob, storage: Storage, config: CheckpointConfig) -> bool:
+def finalize(job: CheckpointJob, storage: Storage, config: CheckpointConfig,
+             rendezvous: Rendezvous | None = None) -> bool:
     """Writer thread, after the job's last write: close (and fsync) the file. Returns True when the caller
     now owns the commit (the job is durable and its tree complete); a failed job is discarded here."""
     try:
@@ -29,20 +31,20 @@ def finalize(job: CheckpointJob, storage: Storage, config: CheckpointConfig) -> 
     job.handle = None
     job.sources = []
     if job.failed:
-        discard(job, storage)
+        discard(job, storage, rendezvous)
         return False
     return job.durable()
 
 
 def commit_job(job: CheckpointJob, storage: Storage, config: CheckpointConfig,
-               on_committed: Callable[[CheckpointJob], None]) -> None:
+               on_committed: Callable[[CheckpointJob], None], rendezvous: Rendezvous | None = None) -> None:
     """The thread that claimed the commit: run the commit protocol, then ``on_committed`` (stats, retention),
     then mark the job COMMITTED; on failure the job is discarded instead."""
     try:
-        commit(job, storage, sync=config.fsync, timeout_s=config.commit_timeout_s)
+        commit(job, storage, sync=config.fsync, timeout_s=config.commit_timeout_s, rendezvous=rendezvous)
     except BaseException as e:  # noqa: BLE001
         job.fail(e)
-        discard(job, storage)
+        discard(job, storage, rendezvous)
         return
     try:
         on_committed(job)
@@ -51,11 +53,15 @@ def commit_job(job: CheckpointJob, storage: Storage, config: CheckpointConfig,
     job.advance(JobState.COMMITTED)
 
 
-def discard(job: CheckpointJob, storage: Storage) -> None:
-    """Remove what a failed job left (its partial directory on rank 0, its own file elsewhere); committed
-    checkpoints are never touched. A clean-up failure is logged: the job's own error is what the caller sees."""
+def discard(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous | None = None) -> None:
+    """Tell the other ranks this attempt failed (so none commits it or waits for it), then remove what it left
+    (the partial directory on the directory's leader, this rank's file elsewhere); committed checkpoints are
+    never touched. A clean-up failure is logged: the job's own error is what the caller sees."""
     try:
-        if job.rank == 0:
+        if rendezvous is not None:
+            rendezvous.abandon(job.attempt, repr(job.error))
+        leader = 0 if rendezvous is None else rendezvous.leader
+        if job.rank == leader:
             storage.remove_tree(job.partial_dir)
         elif storage.stat(job.file_path) is not None:
             storage.remove_file(job.file_path)

@@ -40,6 +40,7 @@ class _Decoder:
             "$bytes": lambda v, p: base64.b64decode(self._str(v, p), validate=True),
             "$set": lambda v, p: set(self._items(v, p)),
             "$complex": lambda v, p: complex(*(self._number(x, p) for x in self._items(v, p))),
+            "$per_rank": self.decode,
         }
 
     def fail(self, path: str, problem: str) -> CheckpointFormatError:
