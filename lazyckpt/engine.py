@@ -32,7 +32,7 @@ from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
 from lazyckpt.job import CheckpointJob
 from lazyckpt.lifecycle import commit_job, discard, finalize
-from lazyckpt.rendezvous import Rendezvous, default_store
+from lazyckpt.rendezvous import Rendezvous, default_store, group_rank
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
@@ -113,7 +113,7 @@ class LazyCheckpointer:
     def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
                  backend: CopyBackend | None = None, store: Any = GROUP_STORE, **options: Any) -> None:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
-        self.config = CheckpointConfig(**_group_rank(options))
+        self.config = CheckpointConfig(**group_rank(options))
         self.dirpath = normalize_dirpath(dirpath)
         self.storage: Storage = storage if storage is not None else LocalStorage()
         self.storage.make_dir(self.dirpath)
@@ -394,15 +394,6 @@ def _close_open_checkpointers() -> None:
             checkpointer.close()
         except BaseException as e:  # noqa: BLE001
             logger.error("lazyckpt: closing %s at exit failed: %r", checkpointer.dirpath, e)
-
-
-def _group_rank(options: dict[str, Any]) -> dict[str, Any]:
-    """``rank`` and ``world_size`` from the initialized default process group, unless given."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        options = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **options}
-    return options
 
 
 def _remaining(deadline: float | None) -> float | None:

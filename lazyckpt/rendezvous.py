@@ -37,6 +37,15 @@ def default_store() -> Any | None:
     return _get_default_store()
 
 
+def group_rank(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``rank`` and ``world_size`` from the initialized default process group, unless given."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        options = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **options}
+    return options
+
+
 class CommitAbandoned(RuntimeError):
     """Another rank failed this attempt; this rank's files are discarded too."""
 
