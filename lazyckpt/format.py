@@ -236,7 +236,8 @@ def tensor_summary(tensors: dict[str, Any]) -> dict[str, Any]:
 
 def global_index(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The global view from every rank's :func:`tensor_summary`: per global tensor, its dtype, global shape and
-    which rank holds which box. Tensors of one rank alone (no box) are not part of it."""
+    which rank holds which box. Tensors of one rank alone (no box) are not part of it. A block written by several
+    ranks (a DTensor on a sub-mesh, replicated over the ranks outside it) is listed once, from its lowest rank."""
     index: dict[str, Any] = {}
     for rank in sorted(summaries):
         for key, info in summaries[rank].items():
@@ -244,5 +245,6 @@ def global_index(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
             if box is None:
                 continue
             entry = index.setdefault(key, {"dtype": info["dtype"], "shape": box["global_shape"], "boxes": []})
-            entry["boxes"].append({"rank": rank, "offsets": box["offsets"], "lengths": info["shape"]})
+            if not any(b["offsets"] == box["offsets"] and b["lengths"] == info["shape"] for b in entry["boxes"]):
+                entry["boxes"].append({"rank": rank, "offsets": box["offsets"], "lengths": info["shape"]})
     return index

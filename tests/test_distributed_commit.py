@@ -109,13 +109,15 @@ def _mesh_2d_round_trip(rank, world_size, dirpath):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     full = _full_tensors()
     state = {"tp": distribute_tensor(full["tp"], mesh, [Replicate(), Shard(0)]),  # replicated over dp
-             "grid": distribute_tensor(full["grid"], mesh, [Shard(0), Shard(1)])}
+             "grid": distribute_tensor(full["grid"], mesh, [Shard(0), Shard(1)]),
+             "sub": distribute_tensor(full["tp"], mesh["tp"], [Shard(0)])}  # a sub-mesh: each dp group holds it
     with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
         ckpt.save(state, step=1).wait()
     targets = {"tp": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1), Replicate()]),
-               "grid": distribute_tensor(torch.zeros(8, 8, dtype=torch.int32), mesh, [Replicate(), Shard(0)])}
+               "grid": distribute_tensor(torch.zeros(8, 8, dtype=torch.int32), mesh, [Replicate(), Shard(0)]),
+               "sub": distribute_tensor(torch.zeros(8, 6), mesh["dp"], [Shard(1)])}
     lazyckpt.load_into(lazyckpt.latest(dirpath), targets)
-    for key, value in full.items():
+    for key, value in {**full, "sub": full["tp"]}.items():
         assert torch.equal(targets[key].full_tensor(), value), key
 
 
@@ -124,9 +126,9 @@ def test_a_2d_mesh_writes_each_box_once_and_reshards_to_other_placements(tmp_pat
     path = lazyckpt.latest(tmp_path / "ckpt")
     with open(os.path.join(path, "manifest.json")) as f:
         index = json.load(f)["tensors"]
-    assert len(index["tp"]["boxes"]) == 2 and len(index["grid"]["boxes"]) == 4
+    assert len(index["tp"]["boxes"]) == len(index["sub"]["boxes"]) == 2 and len(index["grid"]["boxes"]) == 4
     loaded = lazyckpt.load(path)
-    for key, value in _full_tensors().items():
+    for key, value in {**_full_tensors(), "sub": _full_tensors()["tp"]}.items():
         assert torch.equal(loaded[key], value), key
 
 

@@ -146,3 +146,25 @@ def test_load_of_a_rank_the_checkpoint_lacks_says_to_use_load_into(tmp_path):
     run_ranks(_save_once, 2, str(tmp_path / "ckpt"), str(tmp_path / "full.pt"))
     with pytest.raises(ValueError, match=r"saved by 2 rank\(s\).*lazyckpt.load_into"):
         lazyckpt.load(lazyckpt.latest(tmp_path / "ckpt"), rank=2)
+
+
+def _reshard_with_dcp(rank, world_size, dirpath, full_at_save):
+    import torch.distributed.checkpoint as dcp
+
+    import lazyckpt.dcp
+
+    model, opt = _fresh()
+    msd, osd = get_state_dict(model, [opt])
+    state = {"model": msd, "optim": osd, "step": 0}
+    dcp.load(state, storage_reader=lazyckpt.dcp.StorageReader(lazyckpt.latest(dirpath)))
+    assert state["step"] == SAVE_AT
+    set_state_dict(model, [opt], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    expected, filled = torch.load(full_at_save), _full(model, opt)
+    for key, value in expected.items():
+        assert torch.equal(filled[key], value), key
+
+
+def test_dcp_load_through_the_storage_reader_reshards_bit_exact(tmp_path):
+    dirpath, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    run_ranks(_save_once, 4, dirpath, full)
+    run_ranks(_reshard_with_dcp, 2, dirpath, full)
