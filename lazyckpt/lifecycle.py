@@ -8,10 +8,12 @@ exactly once, because only the thread that wins a transition goes on.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from lazyckpt.commit import commit
 from lazyckpt.config import CheckpointConfig
+from lazyckpt.format import rank_manifest
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
@@ -55,7 +57,7 @@ def commit_job(job: CheckpointJob, storage: Storage, config: CheckpointConfig,
 
 def discard(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous | None = None) -> None:
     """Tell the other ranks this attempt failed (so none commits it or waits for it), then remove what it left
-    (the partial directory on the directory's leader, this rank's file elsewhere); committed checkpoints are
+    (the partial directory on the directory's leader, this rank's manifest and file elsewhere); committed ones are
     never touched. A clean-up failure is logged: the job's own error is what the caller sees."""
     try:
         if rendezvous is not None:
@@ -63,8 +65,12 @@ def discard(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous | None 
         leader = 0 if rendezvous is None else rendezvous.leader
         if job.rank == leader:
             storage.remove_tree(job.partial_dir)
-        elif storage.stat(job.file_path) is not None:
-            storage.remove_file(job.file_path)
+            return
+        # The manifest first: without a store, rank 0 counts a rank manifest in the directory as that rank's
+        # durable file, so a manifest left by this failed attempt must not outlive it.
+        for path in (os.path.join(job.partial_dir, rank_manifest(job.rank)), job.file_path):
+            if storage.stat(path) is not None:
+                storage.remove_file(path)
     except Exception as e:  # noqa: BLE001
         logger.warning("lazyckpt: could not remove the partial checkpoint %s: %r", job.partial_dir, e)
     finally:
