@@ -22,7 +22,9 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, Chec
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.preflight import check_storable
+from lazyckpt.reshard import load_into
 from lazyckpt.rng import capture_rng_state, restore_rng_state
+from lazyckpt.sharding import PerRank
 from lazyckpt.state import Deferred
 
 _INTEGRATIONS = {
@@ -46,7 +48,7 @@ __all__ = sorted([
     "CheckpointNotFoundError",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
-    "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
+    "PerRank", "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
     "__version__", "capture_rng_state", "check_storable", "checkpoint_step",
-    "latest", "load", "restore_rng_state", "verify",
+    "latest", "load", "load_into", "restore_rng_state", "verify",
 ])

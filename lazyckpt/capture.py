@@ -22,6 +22,7 @@ from lazyckpt.config import CheckpointConfig
 from lazyckpt.format import PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, step_dirname
 from lazyckpt.job import CheckpointJob, CheckpointStats
 from lazyckpt.plan import Piece, TensorEntry, layout, plan_pieces
+from lazyckpt.sharding import plan_ownership, plan_signature
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
@@ -34,7 +35,7 @@ def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            found.add(_storage_id(t))
+            found.add(_storage_id(_local(t)))
 
     for opt in optimizers:
         if not hasattr(opt, "param_groups"):
@@ -60,17 +61,34 @@ def _storage_id(tensor: torch.Tensor) -> tuple[torch.device, int]:
     return tensor.device, tensor.untyped_storage().data_ptr()
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor that holds a DTensor's bytes (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig, storage: Storage,
                 optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[torch.Tensor | torch.nn.Module],
-                backend_for: Callable[[list[torch.Tensor]], CopyBackend]) -> CheckpointJob:
-    """Build the job for one ``save()``; eager tensors are copied before this returns."""
-    tree, leaves, deferred = flatten(state)
+                backend_for: Callable[[list[torch.Tensor]], CopyBackend],
+                agree: Callable[[str], None] | None) -> CheckpointJob:
+    """Build the job for one ``save()``; eager tensors are copied before this returns.
+
+    Only the tensors this rank owns are planned (see :mod:`lazyckpt.sharding`). ``agree`` is the ranks' meeting
+    point (None: no store); it receives the plan's signature and raises when the ranks' states do not agree.
+    """
+    tree, leaves, deferred, per_rank = flatten(state)
+    owned = plan_ownership(leaves, per_rank, rank=config.rank, world_size=config.world_size,
+                           coordinated=agree is not None or config.world_size == 1)
+    if agree is not None:
+        agree(plan_signature(owned, dtype_name))
     lazy_ids = immutable_storages(optimizers, immutable)
-    tensors = dict(leaves)
+    tensors = {o.key: o.local for o in owned if o.writes}
+    boxes = {o.key: o.box for o in owned if o.writes}
     entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
                            lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
-               for key, t in leaves]
-    placed, data_bytes, header, pieces, tensors_doc_bytes = _plan(tuple(entries))
+               for key, t in tensors.items()]
+    offsets = tuple((key, None if box is None else box.offsets) for key, box in boxes.items())
+    placed, data_bytes, header, pieces, tensors_doc_bytes = _plan(tuple(entries), offsets)
     needed = len(header) + data_bytes + manifest_bytes(tree, tensors_doc_bytes, config.world_size)
     _check_free_space(storage, dirpath, needed + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
@@ -90,16 +108,18 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
         header=header, checksums={e.key: [""] * num_chunks(e.nbytes) for e in placed},
         stats=CheckpointStats(step=step, nbytes=len(header) + data_bytes,
                               lazy_bytes=sum(e.nbytes for e in placed if e.lazy)),
+        boxes=boxes,
     )
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(entries: tuple[TensorEntry, ...]) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...], int]:
+def _plan(entries: tuple[TensorEntry, ...], offsets: tuple[tuple[str, tuple[int, ...] | None], ...],
+          ) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...], int]:
     """Layout, header, pieces and the size of the manifest's tensor table for a set of tensors. Cached: a
     training loop checkpoints the same tensors with the same shapes every time, and rebuilding the plan was most
     of ``save()``'s remaining time."""
     placed, data_bytes = layout(list(entries))
-    header = build_header(placed, dcp_sharding_metadata(placed))
+    header = build_header(placed, dcp_sharding_metadata(placed, dict(offsets)))
     return tuple(placed), data_bytes, header, tuple(plan_pieces(placed)), _tensor_table_bytes(placed)
 
 
@@ -117,7 +137,8 @@ def manifest_bytes(tree: Any, tensor_table_bytes: int, world_size: int) -> int:
 def _tensor_table_bytes(entries: list[TensorEntry]) -> int:
     placeholder = format_checksum(0)
     table = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
-                     "checksums": [placeholder] * num_chunks(e.nbytes), "capture": "eager"} for e in entries}
+                     "checksums": [placeholder] * num_chunks(e.nbytes), "capture": "eager", "box": None}
+             for e in entries}
     return len(json.dumps(table, separators=(",", ":")))
 
 

@@ -1,9 +1,16 @@
-"""The commit protocol: per-rank manifests once each rank's file is durable, then rank 0 commits the whole.
+"""The commit protocol: per-rank manifests once each rank's file is durable, then each directory's leader commits.
 
-Order, for every rank: tensor file fsynced -> ``rank-NNNNN.json`` written atomically. Then rank 0 waits for every
-rank's manifest, writes ``manifest.json`` atomically, renames ``step-N.partial`` to ``step-N`` and fsyncs the
-parent directory. The rename is the commit point: a crash before it leaves only a partial directory that readers
-ignore. No collectives are used (this runs off the training thread); ranks meet through the storage.
+Order, for every rank: tensor file fsynced -> ``rank-NNNNN.json`` written atomically. Then the ranks meet:
+
+* through the process group's store (a :class:`~lazyckpt.rendezvous.Rendezvous`): each rank publishes that its
+  files are durable, with its tensor boxes; once every rank of the job has, each directory's leader writes
+  ``manifest.json`` (the global view of every tensor) and commits. No file is read to meet, so ranks need no
+  shared directory, and every key belongs to one attempt, so a manifest left by a failed attempt never counts;
+* without a store, through the shared directory: rank 0 waits for every rank's manifest there, then commits.
+
+Committing is: write ``manifest.json`` atomically, rename ``step-N.partial`` to ``step-N`` and fsync the parent
+directory. The rename is the commit point: a crash before it leaves only a partial directory that readers ignore.
+No collectives are used (this runs off the training thread).
 
 Failure rule (docs/design.md): a commit that raises leaves nothing visible. A failure of the rename itself or of
 the directory fsync after it rolls the rename back, so a checkpoint whose ``wait()`` fails is never ``latest()``.
@@ -19,32 +26,42 @@ import time
 from collections.abc import Callable
 
 from lazyckpt._version import __version__
-from lazyckpt.format import (MANIFEST, encode_manifest, rank_file, rank_manifest, rank_manifest_doc,
-                             top_manifest_doc)
+from lazyckpt.format import (MANIFEST, encode_manifest, global_index, rank_file, rank_manifest, rank_manifest_doc,
+                             tensor_summary, top_manifest_doc)
 from lazyckpt.job import CheckpointJob
+from lazyckpt.manifest import check_global_tensors
+from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 
-def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float) -> None:
-    """Publish this rank's manifest and, on rank 0, commit the checkpoint once every rank is durable."""
-    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), rank_manifest_bytes(job),
-                         sync=sync)
-    if job.rank != 0:
-        wait_for_rank0_commit(job, storage, timeout_s)
-        return
-    wait_for_other_ranks(job, storage, timeout_s)
-    top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__)
-    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), encode_manifest(top), sync=sync)
-    publish(job, storage, sync=sync)
-
-
-def rank_manifest_bytes(job: CheckpointJob) -> bytes:
+def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float,
+           rendezvous: Rendezvous | None = None) -> None:
+    """Publish this rank's manifest and, on a directory's leader, commit once every rank is durable."""
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
-                            checksums=job.checksums, header=job.header)
-    return encode_manifest(doc)
+                            checksums=job.checksums, header=job.header, boxes=job.boxes)
+    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), encode_manifest(doc), sync=sync)
+    summary = tensor_summary(doc["tensors"])
+    if rendezvous is not None:
+        everyone = rendezvous.gather(job.attempt, summary)
+        if rendezvous.leader != job.rank:
+            rendezvous.wait_committed(job.attempt)
+            return
+    elif job.rank != 0:
+        wait_for_rank0_commit(job, storage, timeout_s)
+        return
+    else:
+        wait_for_other_ranks(job, storage, timeout_s)
+        everyone = {0: summary}  # without a store every rank's tensors are its own: rank 0 alone may hold boxes
+    index = global_index(everyone)
+    check_global_tensors(index, job.world_size, f"the global view of step {job.step}")
+    top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__, tensors=index)
+    storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), encode_manifest(top), sync=sync)
+    publish(job, storage, sync=sync)
+    if rendezvous is not None:
+        rendezvous.committed(job.attempt)
 
 
 def publish(job: CheckpointJob, storage: Storage, *, sync: bool) -> None:

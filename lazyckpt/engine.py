@@ -34,6 +34,7 @@ from lazyckpt.job import CheckpointJob
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, RemoteUpload, open_remote_level, wait_for_upload
+from lazyckpt.rendezvous import Rendezvous, default_store, group_rank
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
@@ -43,6 +44,8 @@ from lazyckpt.threads import start_background_thread
 from lazyckpt.writer import CallTask, SharedWriter
 
 logger = logging.getLogger(__name__)
+GROUP_STORE: Any = object()
+"""``store``'s default: the initialized default process group's store, or none outside a process group."""
 _OPEN: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
 
 
@@ -116,14 +119,21 @@ class LazyCheckpointer:
             with it, ``dirpath`` is passed to ``storage`` as it is.
         backend: a ready :class:`~lazyckpt.staging.CopyBackend` instance, overriding ``copy_backend`` (for
             custom copy paths and tests).
+        store: the ``torch.distributed`` key-value store the ranks meet through (default: the initialized
+            process group's). With a store the ranks save one global state: DTensor leaves are written as shards
+            by their owners, plain tensors are taken as replicated and written once in total (split across ranks
+            by bytes), :class:`~lazyckpt.PerRank` values stay per rank; each rank may have its own ``dirpath``.
+            Construction is then collective: every rank builds its checkpointer, in the same order. ``None``
+            (or no process group): the ranks meet through the shared ``dirpath`` and each rank's state is its own.
         **options: the fields of :class:`~lazyckpt.config.CheckpointConfig` (``keep_last_k``,
-            ``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``rank``, ``world_size``, ...).
+            ``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``rank``, ``world_size``, ...). Inside an
+            initialized process group, ``rank`` and ``world_size`` default to the group's.
     """
 
     def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
-                 backend: CopyBackend | None = None, **options: Any) -> None:
+                 backend: CopyBackend | None = None, store: Any = GROUP_STORE, **options: Any) -> None:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
-        self.config = CheckpointConfig(**options)
+        self.config = CheckpointConfig(**group_rank(options))
         self.dirpath = normalize_dirpath(dirpath)
         if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
             self.dirpath, self.config = split_levels(self.dirpath, self.config)
@@ -132,11 +142,11 @@ class LazyCheckpointer:
         self.storage.make_dir(self.dirpath)
         self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
         try:
-            if self.config.rank == 0:
-                remove_partials(self.dirpath, self.storage)
+            self._rendezvous = self._meet(store)
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
             raise
+        self._attempts = 0
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
@@ -188,8 +198,12 @@ class LazyCheckpointer:
                 return PendingCheckpoint(self, None, step)
             self._drain(self._job)
         self._check_step_order(step)
+        self._attempts += 1
+        attempt, rendezvous = self._attempts, self._rendezvous
+        agree = None if rendezvous is None else (lambda signature: rendezvous.agree(attempt, signature))
         job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
-                          optimizers=optimizers, immutable=immutable, backend_for=self._backend_for)
+                          optimizers=optimizers, immutable=immutable, backend_for=self._backend_for, agree=agree)
+        job.attempt = attempt
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
         self._job = job
         upload = self.remote.ticket(job) if self.remote is not None else None
@@ -285,7 +299,7 @@ class LazyCheckpointer:
                 f"step {step} is lower than the committed step(s) {newer} in {self.dirpath}, which latest() would "
                 "keep returning; to resume from an older checkpoint pass on_older_step='move_aside' (renames the "
                 "newer ones to step-N.superseded) or remove() them first")
-        if self.config.rank == 0:
+        if self._leads_directory:
             for newer_step in newer:
                 move_aside(self.dirpath, newer_step, self.storage)
         self._newest_committed = None
@@ -293,6 +307,23 @@ class LazyCheckpointer:
     def _deliver_remote_error(self) -> None:
         if self.remote is not None:
             self.remote.deliver_error()
+
+    def _meet(self, store: Any) -> Rendezvous | None:
+        """Without a store, rank 0 clears crash leftovers; with one, the ranks agree who leads each directory."""
+        store = default_store() if store is GROUP_STORE else store
+        if self.config.world_size == 1 or store is None:
+            if self.config.rank == 0:
+                remove_partials(self.dirpath, self.storage)
+            return None
+        return Rendezvous(store, rank=self.config.rank, world_size=self.config.world_size, dirpath=self.dirpath,
+                          storage=self.storage, timeout_s=self.config.commit_timeout_s,
+                          clear_dir=lambda: remove_partials(self.dirpath, self.storage))
+
+    @property
+    def _leads_directory(self) -> bool:
+        """This rank removes, moves and purges in its directory (rank 0, or its directory's leader)."""
+        leader = 0 if self._rendezvous is None else self._rendezvous.leader
+        return self.config.rank == leader
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
@@ -332,7 +363,7 @@ class LazyCheckpointer:
             job.tree = fill_deferred(job.tree, resolved)
         except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
             if job.fail(e):  # the file is closed already, so no finalize will discard the job: do it here
-                self._writer.submit(CallTask(job, lambda: discard(job, self.storage), always=True))
+                self._writer.submit(CallTask(job, lambda: discard(job, self.storage, self._rendezvous), always=True))
             return False
         return job.complete_tree()
 
@@ -349,7 +380,7 @@ class LazyCheckpointer:
 
     def _finalize(self, job: CheckpointJob) -> None:
         """Writer thread, after the job's last write: make the file durable, then commit if the tree is complete."""
-        if finalize(job, self.storage, self.config):
+        if finalize(job, self.storage, self.config, self._rendezvous):
             self._commit_off_writer(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:
@@ -360,7 +391,7 @@ class LazyCheckpointer:
             start_background_thread(self._commit, job, name="lazyckpt-commit")
 
     def _commit(self, job: CheckpointJob) -> None:
-        commit_job(job, self.storage, self.config, on_committed=self._on_committed)
+        commit_job(job, self.storage, self.config, on_committed=self._on_committed, rendezvous=self._rendezvous)
 
     def _on_committed(self, job: CheckpointJob) -> None:
         """The commit thread, once ``job`` is visible: stats, log, retention (rank 0)."""
@@ -372,7 +403,7 @@ class LazyCheckpointer:
                     job.stats.flush_s)
         if self.remote is not None:
             self.remote.submit(job.step, job.final_dir)
-        if job.rank == 0:
+        if self._leads_directory:
             try:
                 self._purge(job.step)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed

@@ -15,9 +15,12 @@ from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
 from lazyckpt.plan import TensorEntry
 
 FORMAT_NAME = "lazyckpt"
-FORMAT_VERSION = 2
-"""Version 2 adds the SHA-256 of every manifest and of every tensor file's header; version 1 stays readable."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""Version 2 added the SHA-256 of every manifest and of every tensor file's header. Version 3 adds sharding: each
+stored tensor's box in its global tensor (rank manifests) and the global view of which rank holds which box
+(``manifest.json``); a version-2 reader would take a shard for the whole tensor, so it must refuse version 3.
+Versions 1 and 2 stay readable."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 HEADER_ALIGN = 4096
@@ -84,9 +87,12 @@ def build_header(entries: list[TensorEntry], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", padded) + body.ljust(padded, b" ")
 
 
-def dcp_sharding_metadata(entries: list[TensorEntry]) -> dict[str, str]:
-    """``__metadata__`` that ``torch.distributed.checkpoint.HuggingFaceStorageReader`` understands."""
-    info = {e.key: {"saved_offsets": [0] * len(e.shape)} for e in entries}
+def dcp_sharding_metadata(entries: list[TensorEntry],
+                          offsets: dict[str, tuple[int, ...] | None] | None = None) -> dict[str, str]:
+    """``__metadata__`` that ``torch.distributed.checkpoint.HuggingFaceStorageReader`` understands: where each
+    stored tensor starts in its global tensor (per-rank and whole tensors start at the origin)."""
+    offsets = offsets or {}
+    info = {e.key: {"saved_offsets": list(offsets.get(e.key) or (0,) * len(e.shape))} for e in entries}
     return {"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
 
 
@@ -198,17 +204,47 @@ def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree: Any, header: bytes,
-                      entries: list[TensorEntry], checksums: dict[str, list[str]]) -> dict[str, Any]:
-    """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding)."""
+                      entries: list[TensorEntry], checksums: dict[str, list[str]],
+                      boxes: dict[str, Any]) -> dict[str, Any]:
+    """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding);
+    ``boxes`` maps each key to its :class:`~lazyckpt.sharding.Box` (None: a tensor of this rank alone)."""
     tensors = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
-                       "checksums": checksums[e.key], "capture": "lazy" if e.lazy else "eager"} for e in entries}
+                       "checksums": checksums[e.key], "capture": "lazy" if e.lazy else "eager",
+                       "box": _box_doc(boxes.get(e.key))} for e in entries}
     return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
                     "world_size": world_size, "file": file,
                     "checksum": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
                     "header_sha256": sha256_hex(header), "tensors": tensors, "tree": tree})
 
 
-def top_manifest_doc(*, step: int, world_size: int, library_version: str) -> dict[str, Any]:
+def _box_doc(box: Any) -> dict[str, list[int]] | None:
+    return None if box is None else {"global_shape": list(box.global_shape), "offsets": list(box.offsets)}
+
+
+def top_manifest_doc(*, step: int, world_size: int, library_version: str,
+                     tensors: dict[str, Any]) -> dict[str, Any]:
+    """``manifest.json``; ``tensors`` is the global view (see :func:`global_index`)."""
     return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": library_version,
                     "step": step, "world_size": world_size,
-                    "ranks": [rank_manifest(r) for r in range(world_size)]})
+                    "ranks": [rank_manifest(r) for r in range(world_size)], "tensors": tensors})
+
+
+def tensor_summary(tensors: dict[str, Any]) -> dict[str, Any]:
+    """What a rank tells the others about its manifest's tensors: dtype, stored shape and box."""
+    return {key: {"dtype": info["dtype"], "shape": info["shape"], "box": info["box"]} for key, info in tensors.items()}
+
+
+def global_index(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The global view from every rank's :func:`tensor_summary`: per global tensor, its dtype, global shape and
+    which rank holds which box. Tensors of one rank alone (no box) are not part of it. A block written by several
+    ranks (a DTensor on a sub-mesh, replicated over the ranks outside it) is listed once, from its lowest rank."""
+    index: dict[str, Any] = {}
+    for rank in sorted(summaries):
+        for key, info in summaries[rank].items():
+            box = info["box"]
+            if box is None:
+                continue
+            entry = index.setdefault(key, {"dtype": info["dtype"], "shape": box["global_shape"], "boxes": []})
+            if not any(b["offsets"] == box["offsets"] and b["lengths"] == info["shape"] for b in entry["boxes"]):
+                entry["boxes"].append({"rank": rank, "offsets": box["offsets"], "lengths": info["shape"]})
+    return index

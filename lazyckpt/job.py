@@ -93,6 +93,11 @@ class CheckpointJob:
     error: BaseException | None = None
     tree_complete: bool = False
     """True once the Deferred leaves are in the tree (at once when there are none)."""
+    boxes: dict[str, Any] = field(default_factory=dict)
+    """Per written key: its :class:`~lazyckpt.sharding.Box` in the global tensor, None for a tensor of this rank
+    alone."""
+    attempt: int = 0
+    """This checkpointer's save counter, the same on every rank: the key of this attempt's rendezvous."""
     _changed: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:

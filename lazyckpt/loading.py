@@ -50,7 +50,9 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         path: a ``step-NNNNNNN`` directory (see :func:`latest`), or its URL on a remote level.
         map_location: device to put every tensor on (default: CPU).
         verify: check every chunk's checksum (on by default). Manifests and headers are always checked.
-        rank: whose state to load in a multi-rank checkpoint (default 0).
+        rank: whose state to load in a multi-rank checkpoint (default 0): its :class:`~lazyckpt.PerRank` values
+            and its own tensors; sharded and replicated tensors come back whole (consolidated from every rank's
+            file), in any process, with no process group needed.
         storage: where the files live (default: local files).
         storage_options: passed to fsspec when ``path`` is a URL.
 
@@ -63,7 +65,9 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
     reader = CheckpointReader(*storage_for(path, storage, storage_options))
     rank = 0 if rank is None else rank
     if type(rank) is not int or not 0 <= rank < reader.world_size:
-        raise ValueError(f"rank={rank!r} is out of range: {reader.path} was saved by {reader.world_size} rank(s)")
+        raise ValueError(f"rank={rank!r} is out of range: {reader.path} was saved by {reader.world_size} rank(s); to "
+                         "resume on another number of ranks, fill this run's state with "
+                         "lazyckpt.load_into(path, state), which reshards")
     device = torch.device(map_location) if map_location is not None else None
     return reader.read_rank(rank, load=True, verify=verify, map_location=device)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES, num_chunks
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.format import (FORMAT_NAME, READABLE_VERSIONS, SEAL_FIELD, check_shape, parse_json, sha256_hex,
-                             torch_dtype)
+from lazyckpt.format import (FORMAT_NAME, READABLE_VERSIONS, SEAL_FIELD, check_shape, numel_of, parse_json,
+                             sha256_hex, torch_dtype)
 
 Check = Callable[[Any, str, dict[str, Any]], None]
 """A field check: (value, where (file and field, for the message), the whole document)."""
@@ -71,15 +71,72 @@ def _anything(value: Any, where: str, doc: dict[str, Any]) -> None:
     """The tree is checked by decoding it (lazyckpt.unflatten), which load and verify both do."""
 
 
-def _tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
+def _tensor_table(schema: dict[str, Check]) -> Check:
+    def check(value: Any, where: str, doc: dict[str, Any]) -> None:
+        if not isinstance(value, dict):
+            _fail(where, "must be an object")
+        for key, info in value.items():
+            check_fields(info, schema, f"{where} tensor {key!r}")
+            sums, (start, end) = info["checksums"], info["offsets"]
+            if not isinstance(sums, list) or len(sums) != num_chunks(end - start) \
+                    or not all(isinstance(c, str) and _HEX16.fullmatch(c) for c in sums):
+                _fail(f"{where} tensor {key!r}", f"must list one 16-hex-digit checksum per {CHUNK_BYTES}-byte chunk")
+    return check
+
+
+def _box(value: Any, where: str, info: dict[str, Any]) -> None:
+    """A stored tensor's place in its global tensor (null: the tensor belongs to its rank alone)."""
+    if value is None:
+        return
+    check_fields(value, {"global_shape": _shape, "offsets": _shape}, where)
+    if not _inside(value["offsets"], info["shape"], value["global_shape"]):
+        _fail(where, f"places shape {info['shape']} at {value['offsets']}, outside the global shape "
+                     f"{value['global_shape']}")
+
+
+def _inside(offsets: list[int], lengths: list[int], shape: list[int]) -> bool:
+    return len(offsets) == len(lengths) == len(shape) and all(o + n <= g for o, n, g in zip(offsets, lengths, shape))
+
+
+def _global_tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
+    """The global view: every box inside its tensor's shape, held by an existing rank, no overlaps, full cover."""
     if not isinstance(value, dict):
         _fail(where, "must be an object")
     for key, info in value.items():
-        check_fields(info, _TENSOR, f"{where} tensor {key!r}")
-        sums, (start, end) = info["checksums"], info["offsets"]
-        if not isinstance(sums, list) or len(sums) != num_chunks(end - start) \
-                or not all(isinstance(c, str) and _HEX16.fullmatch(c) for c in sums):
-            _fail(f"{where} tensor {key!r}", f"must list one 16-hex-digit checksum per {CHUNK_BYTES}-byte chunk")
+        at = f"{where} tensor {key!r}"
+        check_fields(info, {"dtype": _dtype, "shape": _shape, "boxes": _anything}, at)
+        if not isinstance(info["boxes"], list):
+            _fail(at, "field 'boxes' must be a list")
+        for box in info["boxes"]:
+            check_fields(box, {"rank": _int_at_least(0), "offsets": _shape, "lengths": _shape}, f"{at} box")
+            if box["rank"] >= doc["world_size"]:
+                _fail(f"{at} box", f"names rank {box['rank']}, but world_size is {doc['world_size']}")
+            if not _inside(box["offsets"], box["lengths"], info["shape"]):
+                _fail(f"{at} box of rank {box['rank']}", f"(offsets {box['offsets']}, lengths {box['lengths']}) is "
+                                                         f"not inside the global shape {info['shape']}")
+        _check_tiling(at, info["shape"], info["boxes"])
+
+
+def check_global_tensors(index: dict[str, Any], world_size: int, where: str) -> None:
+    """The checks a reader runs on ``manifest.json``'s global view, for a writer about to commit one."""
+    _global_tensors(index, where, {"world_size": world_size})
+
+
+def _check_tiling(where: str, shape: list[int], boxes: list[dict[str, Any]]) -> None:
+    covered = 0
+    for index, box in enumerate(boxes):
+        size = numel_of(box["lengths"])
+        covered += size
+        for other in boxes[:index]:
+            if size and _overlap(box, other):
+                _fail(where, f"has overlapping boxes on ranks {other['rank']} and {box['rank']}")
+    if covered != numel_of(shape):
+        _fail(where, f"boxes cover {covered} of the {numel_of(shape)} elements of {shape}")
+
+
+def _overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(ao < bo + bl and bo < ao + al
+               for ao, al, bo, bl in zip(a["offsets"], a["lengths"], b["offsets"], b["lengths"]))
 
 
 def _dtype(value: Any, where: str, doc: dict[str, Any]) -> None:
@@ -106,13 +163,16 @@ _COMMON: dict[str, Check] = {
 }
 _TOP_V1 = {**_COMMON, "library_version": _string, "ranks": _ranks}
 _RANK_V1 = {**_COMMON, "rank": _rank, "file": _member,
-            "checksum": _equals({"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}), "tensors": _tensors,
-            "tree": _anything}
+            "checksum": _equals({"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}),
+            "tensors": _tensor_table(_TENSOR), "tree": _anything}
+_RANK_V2 = {**_RANK_V1, "header_sha256": _sha256}
 SCHEMAS: dict[tuple[str, int], dict[str, Check]] = {
     ("top", 1): _TOP_V1,
     ("rank", 1): _RANK_V1,
     ("top", 2): {**_TOP_V1, SEAL_FIELD: _sha256},
-    ("rank", 2): {**_RANK_V1, "header_sha256": _sha256, SEAL_FIELD: _sha256},
+    ("rank", 2): {**_RANK_V2, SEAL_FIELD: _sha256},
+    ("top", 3): {**_TOP_V1, "tensors": _global_tensors, SEAL_FIELD: _sha256},
+    ("rank", 3): {**_RANK_V2, "tensors": _tensor_table({**_TENSOR, "box": _box}), SEAL_FIELD: _sha256},
 }
 """Fields by (manifest kind, format version); checked in this order (``rank`` after ``world_size``)."""
 

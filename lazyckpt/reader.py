@@ -120,23 +120,47 @@ class CheckpointReader:
         opened = self.open_rank(rank)
         try:
             entries = opened.doc["tensors"]
-            if load:
-                tensors = _allocate(opened, map_location if map_location is not None else torch.device("cpu"))
+            if load:  # the whole tensors of this rank's file; the global view assembles the others
+                entries = {k: e for k, e in entries.items() if _is_whole(e)}
+                device = map_location if map_location is not None else torch.device("cpu")
+                tensors = _allocate(opened, entries, device)
             else:
                 tensors = placeholders(opened)
             read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
                               tensors if load else None, verify=verify, progress=progress)
+            index = self.top.get("tensors", {})
+            if load:
+                tensors.update(self._consolidate([k for k in index if k not in tensors], verify, device))
+            else:
+                tensors.update(self._placeholders(list(index)))
             state = unflatten(opened.doc["tree"], tensors, opened.manifest)
         finally:
             opened.close()
         return state if load else None
+
+    def _consolidate(self, keys: list[str], verify: bool, device: torch.device) -> dict[str, torch.Tensor]:
+        """Full tensors of the global view, assembled from the boxes in every rank's file."""
+        from lazyckpt.reshard import ShardFiles  # reshard builds on this module
+
+        if not keys:
+            return {}
+        with ShardFiles(self, verify=verify) as files:
+            return files.consolidate(keys, device)
+
+    def _placeholders(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Stand-ins for global tensors held in other ranks' files (whose own checks cover their bytes)."""
+        index = self.top.get("tensors", {})
+        return {k: torch.zeros((), dtype=torch_dtype(index[k]["dtype"], f"{self.path}: tensor {k!r}"))
+                .expand(index[k]["shape"]) for k in keys}
 
     def outline(self, rank: int) -> Any:
         """The decoded state of ``rank`` with every tensor a placeholder of the right dtype and shape (no tensor
         bytes are read); the checks are those of :meth:`read_rank` except the chunk checksums."""
         opened = self.open_rank(rank)
         try:
-            return unflatten(opened.doc["tree"], placeholders(opened), opened.manifest)
+            tensors = placeholders(opened)
+            tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
+            return unflatten(opened.doc["tree"], tensors, opened.manifest)
         finally:
             opened.close()
 
@@ -148,9 +172,16 @@ def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:
             for k, e in opened.doc["tensors"].items()}
 
 
-def _allocate(opened: RankFile, device: torch.device) -> dict[str, torch.Tensor]:
+def _is_whole(entry: dict[str, Any]) -> bool:
+    """A stored tensor that is a whole tensor: its rank's own (no box; every tensor before format version 3), or
+    a box that covers its global tensor."""
+    box = entry.get("box")
+    return box is None or (box["global_shape"] == entry["shape"] and not any(box["offsets"]))
+
+
+def _allocate(opened: RankFile, entries: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
     tensors = {}
-    for key, entry in opened.doc["tensors"].items():
+    for key, entry in entries.items():
         try:
             tensors[key] = torch.empty(entry["shape"], dtype=_dtype(opened, key, entry), device=device)
         except (RuntimeError, MemoryError) as e:  # e.g. a huge tensor in a sparse file

@@ -26,6 +26,7 @@ import torch
 
 from lazyckpt import values
 from lazyckpt.errors import UnsupportedValueError
+from lazyckpt.sharding import PerRank
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 """Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""
@@ -83,6 +84,9 @@ class _Flattener:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.deferred: list[tuple[Path, Deferred]] = []
         self.inline_tensors = inline_tensors
+        self.per_rank: set[str] = set()
+        """Keys of the tensors under a PerRank leaf: written by this rank for this rank."""
+        self._in_per_rank = False
 
     def encode(self, value: Any, path: Path) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -99,12 +103,23 @@ class _Flattener:
             return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return {"$tuple": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, PerRank):
+            return self._per_rank(value, path)
         if isinstance(value, Deferred):
             if self.inline_tensors:
                 raise UnsupportedValueError(f"{path_str(path)}: a Deferred must not return another Deferred")
             self.deferred.append((path, value))
             return {"$deferred": len(self.deferred) - 1}
         return self._typed(value, path)
+
+    def _per_rank(self, value: PerRank, path: Path) -> Any:
+        if self._in_per_rank:
+            raise UnsupportedValueError(f"{path_str(path)}: a PerRank inside another PerRank is redundant")
+        self._in_per_rank = True
+        try:
+            return {"$per_rank": self.encode(value.value, path)}
+        finally:
+            self._in_per_rank = False
 
     def _key(self, key: Any, path: Path) -> Any:
         return values.encode_key(key, path, self.encode)
@@ -116,6 +131,8 @@ class _Flattener:
             return {"$inline": encode_inline_tensor(tensor, path)}
         key = tensor_key(path)
         self.tensors.append((key, tensor))
+        if self._in_per_rank:
+            self.per_rank.add(key)
         return {"$tensor": key}
 
     def _typed(self, value: Any, path: Path) -> Any:
@@ -157,11 +174,11 @@ class _Flattener:
         )
 
 
-def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple[Path, Deferred]]]:
-    """Split ``state`` into (JSON tree, [(key, tensor)], [(path, Deferred)])."""
+def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple[Path, Deferred]], set[str]]:
+    """Split ``state`` into (JSON tree, [(key, tensor)], [(path, Deferred)], keys of the PerRank tensors)."""
     flattener = _Flattener(inline_tensors=False)
     tree = flattener.encode(state, ())
-    return tree, flattener.tensors, flattener.deferred
+    return tree, flattener.tensors, flattener.deferred, flattener.per_rank
 
 
 def encode_resolved(value: Any, path: Path) -> Any:

@@ -43,6 +43,7 @@ class _Decoder:
             "$set": lambda v, p: set(self._items(v, p)),
             "$complex": lambda v, p: complex(*(self._number(x, p) for x in self._items(v, p))),
             **{tag: functools.partial(fn, decoder=self) for tag, fn in values.DECODERS.items()},
+            "$per_rank": self.decode,
         }
 
     def fail(self, path: str, problem: str) -> CheckpointFormatError:

@@ -79,13 +79,19 @@ def reseal(checkpoint):
     write_manifest(top_path, top)
 
 
-def downgrade_to_version_1(checkpoint):
-    """Rewrite a checkpoint's manifests as the previous format version wrote them (no seals)."""
+def downgrade(checkpoint, version):
+    """Rewrite a single-rank checkpoint's manifests as format ``version`` wrote them (1: no seals and no
+    sharding; 2: sealed, no sharding)."""
     for name in [MANIFEST, *read_json(os.path.join(checkpoint, MANIFEST))["ranks"]]:
         path = os.path.join(checkpoint, name)
         doc = read_json(path)
-        for field in ("manifest_sha256", "header_sha256"):
-            doc.pop(field, None)
-        doc["format_version"] = 1
+        doc.pop("manifest_sha256", None)
+        if version == 1:
+            doc.pop("header_sha256", None)
+        doc.pop("tensors", None) if name == MANIFEST else [t.pop("box") for t in doc["tensors"].values()]
+        doc["format_version"] = version
+        if version >= 2:
+            write_manifest(path, doc)
+            continue
         with open(path, "wb") as f:
             f.write(encode_manifest(doc))

@@ -12,7 +12,7 @@ import torch
 import lazyckpt
 from lazyckpt.format import MAX_MANIFEST_BYTES
 
-from _forge import FILE, RANK0, downgrade_to_version_1, edit_header, edit_manifest, read_json, reseal
+from _forge import FILE, RANK0, downgrade, edit_header, edit_manifest, read_json, reseal
 from conftest import assert_tree_equal
 
 
@@ -177,10 +177,11 @@ def test_latest_ignores_steps_whose_manifest_is_not_a_regular_file(tmp_path, sav
     assert lazyckpt.latest(tmp_path / "c") == saved
 
 
-def test_checkpoints_of_format_version_1_stay_readable(saved):
+@pytest.mark.parametrize("version", [1, 2])
+def test_checkpoints_of_earlier_format_versions_stay_readable(saved, version):
     expected = lazyckpt.load(saved)
-    downgrade_to_version_1(saved)
-    assert read_json(os.path.join(saved, RANK0))["format_version"] == 1
+    downgrade(saved, version)
+    assert read_json(os.path.join(saved, RANK0))["format_version"] == version
     assert_tree_equal(lazyckpt.load(saved), expected)
     lazyckpt.verify(saved)
 
@@ -197,15 +198,22 @@ def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
     assert_tree_equal(lazyckpt.load(saved), expected)
 
 
-def test_a_checkpoint_written_by_format_version_1_loads_and_verifies(tmp_path):
-    """tests/data/format-v1 was written by the previous release (format version 1, no seals)."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_written_by_an_earlier_format_version_loads_and_verifies(tmp_path, version):
+    """tests/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no sharding)."""
     import math
     import shutil
 
-    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "format-v1", "step-0000007"),
+    path = shutil.copytree(os.path.join(os.path.dirname(__file__), "data", f"format-v{version}", "step-0000007"),
                            tmp_path / "step-0000007")
     state = lazyckpt.load(path)
     assert torch.equal(state["model"]["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
     assert torch.equal(state["model"]["b"], torch.ones(2, dtype=torch.bfloat16))
     assert state["step"] == 7 and state["pair"] == (1, "x") and math.isnan(state["lr"])
     lazyckpt.verify(path)
+
+
+def test_a_version_3_manifest_relabelled_as_version_2_is_refused(saved):
+    """A version-2 reader would take a shard for a whole tensor: version 3's boxes must never pass as version 2."""
+    edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(format_version=2))
+    load_and_verify_refuse(saved, match=r"unknown \['box'\]")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import torch
 
 import lazyckpt
@@ -30,5 +32,22 @@ def test_commit_waits_for_the_slowest_rank_and_each_rank_loads_its_own_state(tmp
         state = lazyckpt.load(path, rank=r)
         assert state["rank"] == r and torch.equal(state["w"], torch.full((100,), float(r)))
     lazyckpt.verify(path)
+    rank0.close()
+    rank1.close()
+
+
+def test_a_rank_that_gave_up_leaves_no_manifest_that_would_let_rank_0_commit_without_it(tmp_path):
+    slow = GatedBackend()
+    rank0 = lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2, backend=slow, commit_timeout_s=0.5)
+    rank1 = lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2, commit_timeout_s=0.5)
+    params = [torch.nn.Parameter(torch.full((10,), float(r))) for r in range(2)]
+    p0 = rank0.save({"w": params[0]}, step=1, optimizers=[torch.optim.SGD([params[0]], lr=0.1)])  # gated: lazy
+    p1 = rank1.save({"w": params[1]}, step=1)
+    with pytest.raises(TimeoutError, match="rank 0 to commit"):
+        p1.wait()  # rank 1 wrote its manifest, waited for rank 0's commit, gave up and removed what it wrote
+    slow.gate.set()
+    with pytest.raises(TimeoutError, match="other 1 rank"):
+        p0.wait()
+    assert lazyckpt.latest(tmp_path) is None
     rank0.close()
     rank1.close()

@@ -59,7 +59,9 @@ class CheckpointSession:
         self.options = options
         self.rank = rank
         arguments = options.engine_arguments(rank=rank, world_size=world_size, retention=engine_retention)
-        self.engine = LazyCheckpointer(self.dirpath, **arguments)
+        # store=None: the session itself decides who writes what (rank 0 the replicated state, every rank its
+        # per-rank values), so the ranks meet through the shared directory as separate states.
+        self.engine = LazyCheckpointer(self.dirpath, store=None, **arguments)
         self._stalls: dict[int, float] = {}
         self._awaiting_barrier: int | None = None
         self._world_size = world_size

@@ -1,0 +1,138 @@
+"""How the ranks of one checkpointer agree, through the process group's key-value store and nothing else.
+
+Only store operations are used (``set``, ``get``, ``check``, ``add``): they are safe from background threads,
+unlike collectives, and they need no directory that every node sees. Every key lives under a prefix agreed at
+construction (one per checkpointer of the job), and every save has its own attempt number, which all ranks count
+in the same order; so a key left by an earlier or failed attempt can never complete a new one.
+
+Directories: each rank names its own ``dirpath`` (node-local disks are fine). At construction the ranks find out
+which of them share a directory (a marker file each, listed after everyone wrote theirs); the lowest rank of a
+directory is its *leader*: it clears crash leftovers there, writes the global manifest and renames the step
+directory into place once every rank of the job has published that its files are durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from lazyckpt.storage import Storage
+
+_INSTANCES: dict[tuple[int, int], int] = {}
+"""Checkpointers built per (store, rank) in this process: all ranks build them in the same order."""
+
+
+def default_store() -> Any | None:
+    """The store of the initialized default process group, or None outside one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def group_rank(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``rank`` and ``world_size`` from the initialized default process group, unless given."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        options = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **options}
+    return options
+
+
+class CommitAbandoned(RuntimeError):
+    """Another rank failed this attempt; this rank's files are discarded too."""
+
+
+class Rendezvous:
+    """One checkpointer's meeting point with its peer ranks (see the module docstring)."""
+
+    def __init__(self, store: Any, *, rank: int, world_size: int, dirpath: str, storage: Storage,
+                 timeout_s: float, clear_dir: Callable[[], None]) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        count = _INSTANCES.get((id(store), rank), 0)
+        _INSTANCES[(id(store), rank)] = count + 1
+        run_key = f"lazyckpt/checkpointer-{count}"
+        if rank == 0:
+            store.set(run_key, uuid.uuid4().hex)
+        self.prefix = f"lazyckpt/{self._get(run_key).decode()}"
+        self.leader = self._find_leader(dirpath, storage)
+        if self.leader == rank:
+            clear_dir()
+        self._meet("ready")
+
+    # --- construction: who shares my directory -------------------------------------------------------------
+
+    def _find_leader(self, dirpath: str, storage: Storage) -> int:
+        tag = self.prefix.rsplit("/", 1)[1]
+        marker = os.path.join(dirpath, f".member-{tag}-rank{self.rank:05d}")
+        storage.write_atomic(marker, b"", sync=False)
+        self._meet("marked")
+        sharing = [int(name.rsplit("rank", 1)[1]) for name in storage.list_dir(dirpath)
+                   if name.startswith(f".member-{tag}-rank")]
+        self._meet("listed")
+        storage.remove_file(marker)
+        return min(sharing)
+
+    def _meet(self, name: str) -> None:
+        """Every rank arrives at ``name`` before any leaves it (training thread, construction only)."""
+        self.store.set(f"{self.prefix}/{name}/{self.rank}", b"1")
+        self._wait([f"{self.prefix}/{name}/{r}" for r in range(self.world_size)], f"every rank to reach {name!r}")
+
+    # --- save: the ranks' states must agree ----------------------------------------------------------------
+
+    def agree(self, attempt: int, signature: str) -> None:
+        """Raise unless every rank's plan has the same signature (same tensors, dtypes and global shapes)."""
+        self.store.set(f"{self.prefix}/{attempt}/plan/{self.rank}", signature.encode())
+        keys = [f"{self.prefix}/{attempt}/plan/{r}" for r in range(self.world_size)]
+        self._wait(keys, "every rank to call save() for the same step")
+        differing = [r for r, value in enumerate(self.store.multi_get(keys)) if value.decode() != signature]
+        if differing:
+            raise ValueError(
+                f"the state passed to save() on rank {self.rank} differs from rank(s) {differing[:8]} in its tensor "
+                "keys, dtypes or (global) shapes. Plain tensors are taken as replicated (identical on every rank) "
+                "and written once: shard them as DTensors, or wrap per-rank values in lazyckpt.PerRank(...)")
+
+    # --- commit (background threads) -----------------------------------------------------------------------
+
+    def gather(self, attempt: int, summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Publish that this rank's files are durable, then every rank's summary once all have published."""
+        self.store.set(f"{self.prefix}/{attempt}/durable/{self.rank}", json.dumps(summary).encode())
+        keys = [f"{self.prefix}/{attempt}/durable/{r}" for r in range(self.world_size)]
+        self._wait(keys, "every rank to make its files durable", attempt=attempt)
+        return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
+
+    def committed(self, attempt: int) -> None:
+        self.store.set(f"{self.prefix}/{attempt}/committed/{self.rank}", b"1")
+
+    def wait_committed(self, attempt: int) -> None:
+        self._wait([f"{self.prefix}/{attempt}/committed/{self.leader}"],
+                   f"rank {self.leader} to commit this directory", attempt=attempt)
+
+    def abandon(self, attempt: int, reason: str) -> None:
+        """Tell every rank that this attempt failed here, so none waits for it or commits it."""
+        self.store.set(f"{self.prefix}/{attempt}/failed", f"rank {self.rank}: {reason}".encode())
+
+    def _wait(self, keys: list[str], what: str, *, attempt: int | None = None) -> None:
+        # Polled with a cap, not store.wait(): a failure key must end the wait as soon as it appears.
+        failed = None if attempt is None else f"{self.prefix}/{attempt}/failed"
+        deadline, delay = time.monotonic() + self.timeout_s, 0.001
+        while not self.store.check(keys):
+            if failed is not None and self.store.check([failed]):
+                raise CommitAbandoned(f"lazyckpt: {self.store.get(failed).decode()}; no rank commits this attempt")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lazyckpt: gave up after {self.timeout_s:g}s (commit_timeout_s) waiting for {what}"
+                                   "; a rank failed or died, so no rank commits this checkpoint")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _get(self, key: str) -> bytes:
+        self._wait([key], f"rank 0 to create the checkpointer ({key})")
+        return self.store.get(key)
+

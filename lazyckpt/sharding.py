@@ -1,0 +1,151 @@
+"""Who writes which bytes: pure ownership planning for sharded, replicated and per-rank tensors.
+
+* A ``DTensor`` leaf: each rank writes its local shard; its *box* (offsets and lengths in the global shape)
+  comes from torch's own placement math. A shard replicated over some mesh dimensions (e.g. the data-parallel
+  dimension of a dp x tp mesh) is written by exactly one of its replicas, picked from the key so that different
+  tensors land on different replicas.
+* A plain tensor is *replicated*: identical on every rank, written once in total. Owners are assigned by bytes,
+  greedily and deterministically, so every rank computes the same plan without communicating.
+* A tensor under :class:`PerRank` belongs to its rank alone and comes back to that rank.
+
+Nothing here touches bytes or talks to other ranks; the signature of a plan is what ranks compare to detect
+state that is not the same on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lazyckpt.errors import UnsupportedValueError
+
+
+class PerRank:
+    """A leaf of ``state`` that belongs to this rank alone (RNG states, data loader positions).
+
+    Without it, every tensor that is not a ``DTensor`` is taken to be replicated (identical on every rank) and is
+    written once in total. A ``PerRank`` value is written by its rank and comes back to the same rank.
+
+    Example:
+        >>> ckpt.save({"model": msd, "rng": PerRank(lazyckpt.capture_rng_state())}, step=10)  # doctest: +SKIP
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, PerRank):
+            raise TypeError("PerRank(PerRank(...)) is redundant; wrap the value once")
+        self.value = value
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """Where a stored tensor sits in its global tensor: ``offsets`` per dimension; lengths are its own shape."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """One leaf as this rank sees it: the tensor it would write, where that sits, and whether it writes it."""
+
+    key: str
+    local: torch.Tensor
+    box: Box | None
+    """None for a per-rank tensor (it has no global identity)."""
+    writes: bool
+    sharded: bool
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def shard_of(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box, bool]:
+    """The local shard of a DTensor, its box, and whether this rank is the replica that writes it.
+
+    Raises:
+        UnsupportedValueError: a ``Partial`` placement (the value is a pending sum, not a stored one), or this
+            rank is not part of the tensor's mesh.
+    """
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(tensor.placements)
+    if any(isinstance(p, Partial) for p in placements):
+        raise UnsupportedValueError(
+            f"state[{key!r}] is a DTensor with a Partial placement {placements}: its value is a pending reduction, "
+            "not stored data; call .redistribute(placements=[Replicate()] or [Shard(d)]) or .full_tensor() first")
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedValueError(f"state[{key!r}] is a DTensor on a mesh this rank is not part of; pass only "
+                                    "tensors this rank holds")
+    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(local_shape):  # uneven shards padded by the owner (e.g. FSDP2)
+        local = local.narrow(0, 0, local_shape[0]) if local.dim() else local
+    replica_dims = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    replicas, index = 1, 0
+    for d in replica_dims:
+        replicas, index = replicas * mesh.size(d), index * mesh.size(d) + coordinate[d]
+    writer = zlib.crc32(key.encode("utf-8")) % replicas
+    return local, Box(tuple(tensor.shape), tuple(offsets)), index == writer
+
+
+def assign_replicated(sizes: Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """Owner rank of each replicated tensor: largest first, each to the least-loaded rank (ties: lowest rank)."""
+    loads = [(0, r) for r in range(world_size)]
+    owners = {}
+    for key, nbytes in sorted(sizes, key=lambda kv: (-kv[1], kv[0])):
+        load, rank = heapq.heappop(loads)
+        owners[key] = rank
+        heapq.heappush(loads, (load + nbytes, rank))
+    return owners
+
+
+def plan_ownership(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *, rank: int,
+                   world_size: int, coordinated: bool) -> list[Owned]:
+    """Every leaf, with the tensor this rank would write and whether it writes it (same order as ``leaves``).
+
+    ``coordinated``: the ranks agree on one global state (a store to meet through, or a single rank). Without
+    it, every rank's tensors are its own, as if each were under :class:`PerRank`, and DTensors are refused.
+    """
+    owned: dict[str, Owned] = {}
+    replicated = []
+    for key, tensor in leaves:
+        if not coordinated and is_dtensor(tensor):
+            raise UnsupportedValueError(
+                f"state[{key!r}] is a DTensor, but the {world_size} ranks have no store to agree through: initialize "
+                "the default process group (torch.distributed.init_process_group) before building the "
+                "LazyCheckpointer, or pass store=...")
+        if key in per_rank or not coordinated:
+            owned[key] = Owned(key, tensor, None, True, False)
+        elif is_dtensor(tensor):
+            local, box, writes = shard_of(key, tensor)
+            owned[key] = Owned(key, local, box, writes, True)
+        else:
+            replicated.append((key, tensor))
+    owners = assign_replicated(((k, t.numel() * t.element_size()) for k, t in replicated), world_size)
+    for key, tensor in replicated:
+        box = Box(tuple(tensor.shape), (0,) * tensor.dim())
+        owned[key] = Owned(key, tensor, box, owners[key] == rank, False)
+    return [owned[key] for key, _ in leaves]
+
+
+def plan_signature(owned: list[Owned], dtype_of: Any) -> str:
+    """A digest of what must agree on every rank: each global tensor's key, kind, dtype and global shape."""
+    parts = sorted(f"{o.key}|{'shard' if o.sharded else 'replica'}|{dtype_of(o.local.dtype)}|{list(o.box.global_shape)}"
+                   for o in owned if o.box is not None)
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
