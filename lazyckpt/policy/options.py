@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig, normalize_dirpath
+from lazyckpt.policy.rollback import check_max_rollbacks
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
@@ -47,6 +48,9 @@ class SessionOptions:
     """Further :class:`~lazyckpt.LazyCheckpointer` arguments (``host_buffer_bytes``, ``copy_backend``, ...)."""
     keep_last_k: int | None = None
     """Keep the newest k committed checkpoints (also when nothing else names them); None keeps all."""
+    max_rollbacks: int = 3
+    """Rollbacks on a non-finite loss allowed in a row without a newer good checkpoint; one more raises
+    :class:`~lazyckpt.RollbackLimitError` (see :class:`~lazyckpt.policy.RollbackPolicy`)."""
 
     _config: CheckpointConfig = field(init=False, repr=False)
 
@@ -55,6 +59,7 @@ class SessionOptions:
     def __post_init__(self) -> None:
         if isinstance(self.keep_last_k, bool):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
+        check_max_rollbacks(self.max_rollbacks)
         taken = [k for k in SET_BY_THE_RUN if k in self.engine]
         if taken:
             spelled = ", ".join(f"{k}=..." for k in taken)
