@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from lazyckpt.checksum import tensor_bytes
+from lazyckpt.checksum import CHUNK_BYTES, num_chunks, tensor_bytes
+from lazyckpt.errors import CheckpointCorruptError
 from lazyckpt.format import torch_dtype
 from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.plan import PIECE_BYTES, Piece
-from lazyckpt.tensor_io import check_chunks
+from lazyckpt.plan import PIECE_BYTES, Piece, segment_runs
+from lazyckpt.tensor_io import WORKERS, check_chunks
+from lazyckpt.threads import limit_torch_threads_here
 from lazyckpt.unflatten import unflatten
 
 
@@ -147,32 +151,68 @@ class MemoryLevel:
     def read(self) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest snapshot, its bytes copied out and checked; None when there is none.
 
+        The copy runs on the calling thread while worker threads check the chunks already copied (numpy releases
+        the GIL for both), so a read costs about the larger of the two, not their sum.
+
         Raises:
             CheckpointCorruptError: a chunk no longer matches the checksum recorded when it was written.
         """
-        with self._lock:
-            snapshot = self._newest
-            if snapshot is None:
-                return None
-            tensors = _copy_out(snapshot)
+        pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-check", initializer=limit_torch_threads_here)
+        try:
+            with self._lock:
+                snapshot = self._newest
+                if snapshot is None:
+                    return None
+                checks = _Checks(snapshot.job, pool)
+                tensors = _copy_out(snapshot, checks.submit)
+            checks.wait()
+        finally:
+            pool.shutdown(cancel_futures=True)
         job = snapshot.job
-        where = f"memory snapshot of step {job.step}"
-        for entry in job.entries:
-            check_chunks(tensor_bytes(tensors[entry.key]), 0, job.checksums[entry.key], where, entry.key)
-        return job.step, unflatten(job.tree, tensors, where)
+        return job.step, unflatten(job.tree, tensors, checks.where)
 
 
-def _copy_out(snapshot: _Snapshot) -> dict[str, torch.Tensor]:
-    """Fresh tensors with the snapshot's bytes, so the slots can be recycled once this returns."""
+class _Checks:
+    """The chunk checks of one read, on worker threads, with the reader's own check (``check_chunks``)."""
+
+    def __init__(self, job: CheckpointJob, pool: ThreadPoolExecutor) -> None:
+        self.job, self.pool = job, pool
+        self.where = f"memory snapshot of step {job.step}"
+        self.futures: list[Future] = []
+        self.chunks = 0
+
+    def submit(self, index: int, data: np.ndarray, start: int) -> None:
+        """Check ``data``, the bytes of entry ``index`` from ``start`` (a chunk boundary)."""
+        key = self.job.entries[index].key
+        first, count = start // CHUNK_BYTES, num_chunks(data.size)
+        self.chunks += count
+        self.futures.append(self.pool.submit(check_chunks, data, start, self.job.checksums[key][first : first + count],
+                                             self.where, key))
+
+    def wait(self) -> None:
+        for future in self.futures:
+            future.result()
+        recorded = sum(len(sums) for sums in self.job.checksums.values())
+        if self.chunks != recorded:  # every recorded chunk must have been copied out and checked
+            raise CheckpointCorruptError(f"{self.where} is incomplete: {self.chunks} of its {recorded} chunks are "
+                                         "held in memory")
+
+
+def _copy_out(snapshot: _Snapshot, check: Callable[[int, np.ndarray, int], None]) -> dict[str, torch.Tensor]:
+    """Fresh tensors with the snapshot's bytes (so the slots can be recycled once this returns); ``check`` is
+    called with each run of bytes as soon as it is copied."""
     entries = snapshot.job.entries
     tensors = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
     raw = [t.numpy() for t in tensors]  # numpy slice assignment is a plain memcpy (torch's uint8 copy_ is slower)
     for index, tensor in snapshot.eager.items():
         raw[index][:] = tensor_bytes(tensor)
+        check(index, raw[index], 0)
     for piece, slot, _ in snapshot.slots:
         staged = slot.numpy()
-        for seg in piece.segments:
-            raw[seg.tensor_index][seg.src_offset : seg.src_offset + seg.nbytes] = \
-                staged[seg.dst_offset : seg.dst_offset + seg.nbytes]
+        for run in segment_runs(piece):
+            first, last = run[0], run[-1]
+            copied = raw[first.tensor_index][first.src_offset : last.src_offset + last.nbytes]
+            copied[:] = staged[first.dst_offset : last.dst_offset + last.nbytes]
+            check(first.tensor_index, copied, first.src_offset)
     return {e.key: t.view(torch_dtype(e.dtype, f"memory snapshot: tensor {e.key!r}")).reshape(e.shape)
             for e, t in zip(entries, tensors)}

@@ -92,6 +92,15 @@ def test_corrupted_host_bytes_are_detected_when_read_back(tmp_path, large):
             ckpt.memory_snapshot()
 
 
+def test_a_snapshot_missing_a_staged_piece_is_refused_not_returned(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        ckpt._memory._newest.slots.pop()
+        with pytest.raises(lazyckpt.CheckpointCorruptError, match="memory snapshot of step 1 is incomplete"):
+            ckpt.memory_snapshot()
+
+
 def test_discarding_the_in_flight_checkpoint_leaves_neither_files_nor_snapshot(tmp_path, large):
     model, opt = large
     backend = GatedBackend()
