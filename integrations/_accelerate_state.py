@@ -144,6 +144,17 @@ class PreparedRun:
         return shared
 
     def restore(self, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        self.restore_replicated(shared)
+        for dl, saved in zip(self.dataloaders, own["dataloaders"]):
+            if hasattr(dl, "iteration"):
+                dl.iteration = saved["iteration"]
+            if saved["state"] is not None:
+                dl.load_state_dict(saved["state"])
+        restore_rng(own["rng"], self.generators())
+        self.accelerator.step = own["accelerator_step"]
+
+    def restore_replicated(self, shared: dict[str, Any]) -> None:
+        """Models, optimizers, schedulers, scaler and registered objects (what :meth:`replicated` captured)."""
         for model, saved in zip(self.models, shared["models"]):
             model.load_state_dict(saved)
         for optimizer, saved in zip(self.optimizers, shared["optimizers"]):
@@ -155,13 +166,6 @@ class PreparedRun:
             scaler.load_state_dict(shared["scaler"])
         for obj, saved in zip(self.objects, shared["objects"]):
             obj.load_state_dict(saved)
-        for dl, saved in zip(self.dataloaders, own["dataloaders"]):
-            if hasattr(dl, "iteration"):
-                dl.iteration = saved["iteration"]
-            if saved["state"] is not None:
-                dl.load_state_dict(saved["state"])
-        restore_rng(own["rng"], self.generators())
-        self.accelerator.step = own["accelerator_step"]
 
 
 def _loader_position(dl: Any, active: bool) -> dict[str, Any]:

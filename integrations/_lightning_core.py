@@ -25,6 +25,7 @@ from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
 from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng
+from ._lightning_rollback import LightningRollback
 
 
 class LazyCheckpointMixin:
@@ -47,6 +48,12 @@ class LazyCheckpointMixin:
             fsspec URL); ``ckpt_path="last"`` fetches its newest checkpoint when that is newer (docs/remote.md).
         log_stats: send each checkpoint's stall, copy and flush times and size, and the run's summary, to the
             trainer's loggers.
+        keep_in_memory: keep the newest snapshot in host memory too (the engine's option; docs/rollback.md).
+        rollback_on_nonfinite: when the training loss of a step is nan/inf on any rank, restore model,
+            optimizers, LR schedulers and AMP scaler from the newest snapshot before that step and go on with
+            the next batch (docs/rollback.md). Needs ``save_weights_only=False``.
+        max_rollbacks (keyword): rollbacks allowed in a row without a newer good checkpoint (default 3); one
+            more raises ``lazyckpt.RollbackLimitError``.
         **kwargs: every ``ModelCheckpoint`` argument (``filename``, ``monitor``, ``mode``, ``save_top_k``,
             ``save_last``, ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``,
             ``save_on_train_epoch_end``, ``save_weights_only``, ...), with the same meaning.
@@ -64,11 +71,15 @@ class LazyCheckpointMixin:
                  host_buffer_bytes: int | None = None,
                  copy_backend: Literal["auto", "cpu", "cuda", "triton"] = "auto",
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
-                 log_stats: bool = True, **kwargs: Any) -> None:
+                 log_stats: bool = True, keep_in_memory: bool = False, rollback_on_nonfinite: bool = False,
+                 **kwargs: Any) -> None:
         ours, kwargs = SessionOptions.split(kwargs)
         super().__init__(dirpath=dirpath, **kwargs)
+        LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)
+        self.rollback_on_nonfinite = rollback_on_nonfinite
+        self._rollback: LightningRollback | None = None
         engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
-                  **(engine_options or {})}
+                  "keep_in_memory": keep_in_memory, **(engine_options or {})}
         self.options = SessionOptions(owner="LazyCheckpoint", source="the trainer", keep_last_k=keep_last_k,
                                       engine=engine, **ours)
         self.keep_last_k = keep_last_k
@@ -98,7 +109,7 @@ class LazyCheckpointMixin:
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the callbacks before setup(); the session and hooks are per-process, made in setup().
         state = self.__dict__.copy()
-        state.update(session=None, _trainer_ref=_no_trainer, _names=None, _hooks=[])
+        state.update(session=None, _trainer_ref=_no_trainer, _names=None, _hooks=[], _rollback=None)
         return state
 
     # --- setup and teardown ------------------------------------------------------------------------------------
@@ -116,6 +127,8 @@ class LazyCheckpointMixin:
             self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
                                                     world_size=trainer.world_size, engine_retention=False)
             self._names = CheckpointNames(self.session, resumed_from=lambda: getattr(self.trainer, "ckpt_path", None))
+            if self.rollback_on_nonfinite:
+                self._rollback = LightningRollback(self.session, trainer)
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
 
     @override
@@ -130,6 +143,8 @@ class LazyCheckpointMixin:
         if self._loaded_rng is not None:
             restore_train_rng(trainer, self._loaded_rng)
             self._loaded_rng = None
+        if self._rollback is not None:
+            self._rollback.on_train_start(trainer)
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -151,7 +166,7 @@ class LazyCheckpointMixin:
             handle.remove()
         self._hooks.clear()
         if self.session is not None:
-            self.session = None
+            self.session = self._rollback = None
             self._names.close(lambda committed: self._report(trainer, committed), raise_errors=raise_errors)
 
     # --- hooks where ModelCheckpoint decides: poll, let it decide, request ------------------------------------
@@ -159,6 +174,8 @@ class LazyCheckpointMixin:
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._poll(trainer)
+        if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
+            return  # rolled back: the bad step is not checkpointed
         with warnings.catch_warnings():
             # ModelCheckpoint warns that under manual optimization it saves the state *after* the step; that
             # state is exactly the consistent one a lazy snapshot wants.

@@ -38,6 +38,7 @@ from lazyckpt.policy import CheckpointSession, SessionOptions, StepCounter, proj
 from lazyckpt.preflight import check_storable
 
 from . import _compat
+from ._accelerate_rollback import AccelerateRollback
 from ._accelerate_state import Boundary, PreparedRun
 
 if TYPE_CHECKING:
@@ -56,10 +57,10 @@ class LazyCheckpointHook:
         every_n_steps: request a checkpoint after every n-th optimizer update; None: only on :meth:`save`.
         keep_last_k: keep only the newest k committed checkpoints. None: the ``ProjectConfiguration``'s
             ``total_limit`` when set, else keep all.
-        **options: other :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
-            ``on_busy``, ``verify_on_load``, ``fsync``, ``storage``, ``remote``, ``storage_options``, ...). ``rank``
-            and ``world_size`` come from the accelerator. With ``remote``, :meth:`resume` takes the newest checkpoint
-            of either level.
+        **options: ``max_rollbacks`` (see :meth:`rollback`) and the other :class:`~lazyckpt.LazyCheckpointer`
+            options (``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``keep_in_memory``, ``verify_on_load``,
+            ``fsync``, ``storage``, ``remote``, ``storage_options``, ...). ``rank`` and ``world_size`` come from the
+            accelerator. With ``remote``, :meth:`resume` takes the newest checkpoint of either level.
 
     Raises:
         ValueError: an invalid option (the message names it).
@@ -75,6 +76,7 @@ class LazyCheckpointHook:
         self.every_n_steps = every_n_steps
         self._session: CheckpointSession | None = None
         self._run: PreparedRun | None = None
+        self._rollback: AccelerateRollback | None = None
         self._handles: list[Any] = []
         self._closed = False
         self._boundary: Boundary | None = None
@@ -137,6 +139,8 @@ class LazyCheckpointHook:
         self._handles.append(accelerator.register_save_state_pre_hook(lambda *_: self._drain_copies()))
         self._handles.append(accelerator.register_load_state_pre_hook(lambda *_: self._drain_copies()))
         accelerator.register_for_checkpointing(self)
+        self._rollback = AccelerateRollback(self._session, self._run)
+        self._rollback.remember_start(self.step)
         return self
 
     def resume(self, path: str | os.PathLike[str] | None = None) -> int:
@@ -162,6 +166,7 @@ class LazyCheckpointHook:
         self._counter.restart(step)
         self._requested_step, self._pending, self._boundary = step, None, None
         self._session.resumed(step, resolved)
+        self._rollback.remember_start(step)
         return step
 
     def save(self) -> PendingCheckpoint | None:
@@ -177,6 +182,28 @@ class LazyCheckpointHook:
         if self._boundary is not None:
             self._issue()
         return self._pending
+
+    def rollback(self) -> int | None:
+        """Restore models, optimizers, schedulers, scaler and registered objects from the newest snapshot
+        before this iteration's update, because its loss is non-finite; returns the step restored, or None.
+
+        Call it in the iteration whose loss is nan/inf, before or after ``optimizer.step()``, then go on with the
+        next batch (``hook.step`` keeps counting). The snapshot comes from memory (``keep_in_memory=True``), else
+        from the newest committed checkpoint on disk, else (``keep_in_memory=True``) the state at ``register``
+        or ``resume``; None when there is none. With several processes, call it on every process together.
+
+        Example:
+            >>> if not torch.isfinite(loss):          # doctest: +SKIP
+            ...     hook.rollback(); continue
+
+        Raises:
+            RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
+        """
+        self._require_registered("rollback")
+        bad_step = self._rollback.bad_step(self.step)
+        if self._boundary is not None and self._boundary.step == bad_step:
+            self._boundary = None  # the bad update's request is never issued
+        return self._rollback.roll_back(bad_step)
 
     def close(self) -> None:
         """Issue a pending request, drain every checkpoint and remove the hooks. Idempotent.
@@ -214,11 +241,15 @@ class LazyCheckpointHook:
     # --- framework events -----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        before = self.step
         if self._counter.updated(index, optimizers=len(self._run.prepared_optimizers)):
             self._boundary = self._run.boundary(self.step)
+        if self.step != before:
+            self._rollback.on_step()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         # The first forward after the step: the loop's scheduler step and other end-of-iteration updates are done.
+        self._rollback.stepped = False
         if self._boundary is not None:
             self._issue()
 

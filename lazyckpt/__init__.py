@@ -15,12 +15,13 @@ from typing import Any
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy, OnOlderStep
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
-from lazyckpt.errors import (CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError,
-                             CheckpointNotFoundError,
-                             DirectoryLockedError, SnapshotConsistencyError, StepAlreadyCommittedError,
+from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, CheckpointFormatError,
+                             CheckpointMismatchError, CheckpointNotFoundError, DirectoryLockedError,
+                             RollbackLimitError, SnapshotConsistencyError, StepAlreadyCommittedError,
                              StepOrderError, UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
+from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
 from lazyckpt.preflight import check_storable
 from lazyckpt.reshard import load_into
 from lazyckpt.rng import capture_rng_state, restore_rng_state
@@ -44,8 +45,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = sorted([
-    "CheckpointConfig", "CheckpointCorruptError", "CheckpointFormatError", "CheckpointMismatchError",
-    "CheckpointNotFoundError",
+    "CheckpointConfig", "CheckpointCorruptError", "CheckpointDiscardedError", "CheckpointFormatError",
+    "CheckpointMismatchError", "CheckpointNotFoundError", "RollbackLimitError", "RollbackPolicy", "is_nonfinite",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "PerRank", "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",

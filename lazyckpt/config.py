@@ -90,6 +90,10 @@ class CheckpointConfig:
     spool_dir: str | None = None
     """The node-local directory used when ``dirpath`` is a URL (default: a private one under the system temp
     directory)."""
+    keep_in_memory: bool = False
+    """Keep the newest committed snapshot in the host staging pool (the memory level, for a rollback without the
+    disk; see ``LazyCheckpointer.memory_snapshot``). The pool then holds two checkpoints: the newest and the one
+    being written, so ``host_buffer_bytes`` (None sizes it automatically) must have room for both."""
 
     def __post_init__(self) -> None:
         self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
@@ -100,6 +104,9 @@ class CheckpointConfig:
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):
             raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 8 MiB (one staging "
                              "slot) or None (one checkpoint)")
+        if self.keep_in_memory and self.host_buffer_bytes is not None and self.host_buffer_bytes < (16 << 20):
+            raise ValueError(f"keep_in_memory=True needs host_buffer_bytes of at least 16 MiB (two staging slots, "
+                             f"one per checkpoint held); got {self.host_buffer_bytes!r}. Raise it or pass None")
         if self.on_busy is OnBusy.SKIP and self.world_size > 1:
             raise ValueError("on_busy='skip' needs world_size=1: ranks could skip different steps and the "
                              "checkpoint would never commit; use on_busy='wait' with several ranks")

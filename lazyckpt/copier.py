@@ -15,6 +15,7 @@ from collections.abc import Callable
 from lazyckpt.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.errors import SnapshotConsistencyError
 from lazyckpt.job import CheckpointJob, JobState
+from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.plan import Piece, lazy_bytes, segment_runs
 from lazyckpt.staging import CopyBackend, HostBufferPool
 from lazyckpt.staging.pool import slots_for
@@ -30,8 +31,9 @@ class Copier:
     """Owns the host pool and the copy thread of one checkpointer."""
 
     def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage, writer: SharedWriter,
-                 finalize: Callable[[CheckpointJob], None]) -> None:
+                 finalize: Callable[[CheckpointJob], None], memory: MemoryLevel | None = None) -> None:
         self.backend = backend
+        self.memory = memory
         self.writer = writer
         self.budget_bytes = budget_bytes
         self.storage = storage
@@ -62,7 +64,8 @@ class Copier:
         self.storage.make_dir(job.partial_dir)
         job.handle = self.storage.open_write(job.file_path)
         writer.submit(WriteTask(job, self.storage, job.handle, 0, [memoryview(job.header)]))
-        pool = self._pool_for(lazy_bytes(job.entries))
+        # The memory level keeps the newest snapshot's slots: the pool then holds two checkpoints.
+        pool = self._pool_for(lazy_bytes(job.entries) if self.memory is None else self.memory.pool_bytes(job))
         lazy = [p for p in job.pieces if p.lazy]
         flat = [self.backend.prepare_source(t) if e.lazy else None for e, t in zip(job.entries, job.sources)]
         for start in range(0, len(lazy), MAX_BATCH_PIECES):
@@ -100,13 +103,18 @@ class Copier:
                         _record_checksums(job, piece, sums[i])
                     writer.submit(WriteTask(
                         job, self.storage, job.handle, _file_offset(job, piece), [memoryview(staged)],
-                        release=partial(pool.release, slot),
+                        release=self._release_for(job, piece, pool, slot),
                         prepare=None if sums is not None else partial(_checksum_staged, job, piece, staged)))
                     handed += 1
             finally:
                 for slot in slots[handed:]:
                     pool.release(slot)
             done += len(batch)
+
+    def _release_for(self, job: CheckpointJob, piece: Piece, pool: HostBufferPool, slot: int) -> Callable[[], None]:
+        """What the writer calls once a slot is written: back to the pool, or to the memory level to keep."""
+        give_back = partial(pool.release, slot)
+        return give_back if self.memory is None else self.memory.keeper(job, piece, pool.slot(slot), give_back)
 
 
 def _checksum_staged(job: CheckpointJob, piece: Piece, staged) -> None:

@@ -27,14 +27,15 @@ import torch
 from lazyckpt.capture import capture_job
 from lazyckpt.config import CheckpointConfig, OnBusy, OnOlderStep, normalize_dirpath
 from lazyckpt.copier import Copier
-from lazyckpt.errors import StepAlreadyCommittedError, StepOrderError
+from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError, StepOrderError
 from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
-from lazyckpt.job import CheckpointJob
+from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, RemoteUpload, open_remote_level, wait_for_upload
 from lazyckpt.rendezvous import Rendezvous, default_store, group_rank
+from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
@@ -151,6 +152,8 @@ class LazyCheckpointer:
         self._copier: Copier | None = None
         self._job: CheckpointJob | None = None
         self._pending: PendingCheckpoint | None = None
+        self._memory = MemoryLevel() if self.config.keep_in_memory else None
+        """The memory level (``keep_in_memory=True``): the newest committed snapshot, kept in the staging pool."""
         self.stats = StatsLog()
         """The newest committed checkpoints' :class:`~lazyckpt.CheckpointStats` (a bounded window, iterable and
         indexable) and ``stats.total``, running totals over all of them."""
@@ -204,6 +207,9 @@ class LazyCheckpointer:
         job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for, agree=agree)
         job.attempt = attempt
+        if self._memory is not None:
+            self._memory.check_budget(job, self.config.host_buffer_bytes)
+            self._memory.begin(job)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
         self._job = job
         upload = self.remote.ticket(job) if self.remote is not None else None
@@ -244,6 +250,34 @@ class LazyCheckpointer:
         self.storage.remove_tree(doomed)
         return True
 
+    def memory_snapshot(self) -> tuple[int, Any] | None:
+        """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
+
+        Needs ``keep_in_memory=True``. The bytes are copied out of the staging pool and checked against their
+        checksums; nothing else waits (the checkpoint being written goes on). Load the state with the usual
+        ``load_state_dict`` calls.
+
+        Raises:
+            CheckpointCorruptError: the host copy no longer matches its checksums.
+        """
+        self._check_open("memory_snapshot")
+        return None if self._memory is None else self._memory.read()
+
+    def discard(self, step: int) -> bool:
+        """Make sure no checkpoint of ``step`` survives: abort it when in flight, else remove it.
+
+        For a snapshot found bad after it was requested (e.g. the loss of its step is not finite). An in-flight
+        one is failed with :class:`~lazyckpt.CheckpointDiscardedError` and discarded like any failed checkpoint
+        (its partial directory is removed), unless its commit is already under way: then it commits and is
+        removed. Either way it leaves the memory level. Returns True if there was one.
+        """
+        self._check_open("discard")
+        job = self._job
+        aborted = job is not None and job.step == step and not job.done and self._abort(job)
+        removed = self.remove(step)
+        forgotten = self._memory is not None and self._memory.forget(step)
+        return aborted or removed or forgotten
+
     @property
     def in_flight(self) -> PendingCheckpoint | None:
         """The handle of the checkpoint not yet committed (or failed), if any."""
@@ -265,6 +299,8 @@ class LazyCheckpointer:
             _OPEN.discard(self)
             if self._copier is not None:
                 self._copier.stop()
+            if self._memory is not None:
+                self._memory.clear()
             self._lock.release()
         self._deliver_error(self._job)
         self._deliver_remote_error()
@@ -330,7 +366,8 @@ class LazyCheckpointer:
             if self._backend is None:
                 self._backend = make_backend(self.config.copy_backend, tensors)
             self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
-                                  storage=self.storage, writer=self._writer, finalize=self._finalize)
+                                  storage=self.storage, writer=self._writer, finalize=self._finalize,
+                                  memory=self._memory)
         return self._backend
 
     def _barrier(self, job: CheckpointJob, timeout: float | None = None) -> bool:
@@ -367,6 +404,16 @@ class LazyCheckpointer:
             return False
         return job.complete_tree()
 
+    def _abort(self, job: CheckpointJob) -> bool:
+        """Fail ``job`` on request and wait until it ended; True when it was discarded (not committed)."""
+        discarded = CheckpointDiscardedError(f"the checkpoint of step {job.step} was discarded by discard({job.step})")
+        if job.cancel(discarded):  # the file is closed already, so no finalize will discard the job: do it here
+            self._writer.submit(CallTask(job, lambda: discard(job, self.storage), always=True))
+        if job.error is discarded:
+            job.error_delivered = True  # asked for: not a failure to report (an earlier real one still is)
+        self._drain(job, deliver=False)
+        return job.state is JobState.DISCARDED
+
     def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
         self._barrier(job)
         job.wait_done()
@@ -394,7 +441,9 @@ class LazyCheckpointer:
         commit_job(job, self.storage, self.config, on_committed=self._on_committed, rendezvous=self._rendezvous)
 
     def _on_committed(self, job: CheckpointJob) -> None:
-        """The commit thread, once ``job`` is visible: stats, log, retention (rank 0)."""
+        """The commit thread, once ``job`` is visible: the memory level, stats, log, retention (rank 0)."""
+        if self._memory is not None:
+            self._memory.publish(job)
         job.stats.flush_s = time.monotonic() - job.requested_at
         self.stats.append(job.stats)
         if self._newest_committed is not None:

@@ -37,3 +37,11 @@ class UnsupportedValueError(TypeError):
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint does not fit the run resuming from it; the message lists every difference."""
+
+
+class CheckpointDiscardedError(RuntimeError):
+    """The checkpoint was discarded on request (``LazyCheckpointer.discard``) before it committed."""
+
+
+class RollbackLimitError(RuntimeError):
+    """The loss stayed non-finite through more rollbacks in a row than ``max_rollbacks`` allows."""

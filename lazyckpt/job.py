@@ -151,6 +151,17 @@ class CheckpointJob:
             self.advance(JobState.FAILED)
             return file_closed
 
+    def cancel(self, error: BaseException) -> bool | None:
+        """Fail the job on request, unless its commit is already under way (or it ended). Any thread.
+
+        Returns None when the job was not failed (committing or ended: it goes on to its end); otherwise
+        what :meth:`fail` returns (True: the file is closed, so the caller must discard the job itself).
+        """
+        with self._changed:
+            if self.state in ENDS or self.state in (JobState.COMMITTING, JobState.FAILED):
+                return None
+            return self.fail(error)
+
     def complete_tree(self) -> bool:
         """Note that the Deferred leaves are in the tree; True when this makes the job ready to commit and
         claims the commit for the caller (training thread, at the barrier)."""

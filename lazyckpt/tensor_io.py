@@ -122,15 +122,25 @@ def _ring(targets: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
 def _finish(piece: _Piece, buffer: np.ndarray, staged: torch.Tensor | None, target: torch.Tensor | None,
             file: str, verify: bool, progress: Callable[[int], None] | None) -> None:
     if verify:
-        for index, actual in enumerate(checksum_run(buffer)):
-            if format_checksum(actual) != piece.expected[index]:
-                chunk = piece.start // CHUNK_BYTES + index
-                first = chunk * CHUNK_BYTES
-                last = min(first + CHUNK_BYTES, piece.start + piece.nbytes)
-                raise CheckpointCorruptError(
-                    f"{file}: tensor {piece.key!r} is corrupt: chunk {chunk} (bytes {first}..{last} of the tensor) "
-                    f"has checksum {format_checksum(actual)}, the manifest recorded {piece.expected[index]}")
+        check_chunks(buffer, piece.start, piece.expected, file, piece.key)
     if target is not None and staged is not None:
         target.reshape(-1).view(torch.uint8)[piece.start : piece.start + piece.nbytes].copy_(staged)
     if progress is not None:
         progress(piece.nbytes)
+
+
+def check_chunks(data: np.ndarray, start: int, expected: list[str], where: str, key: str) -> None:
+    """Check the bytes ``data`` of tensor ``key`` (from offset ``start``, a chunk boundary) against the checksums
+    ``expected`` of the chunks they cover; the error names ``where`` (a file or a memory snapshot) and the chunk.
+
+    Raises:
+        CheckpointCorruptError: a chunk's checksum differs from the recorded one.
+    """
+    for index, actual in enumerate(checksum_run(data)):
+        if format_checksum(actual) != expected[index]:
+            chunk = start // CHUNK_BYTES + index
+            first = chunk * CHUNK_BYTES
+            last = min(first + CHUNK_BYTES, start + data.size)
+            raise CheckpointCorruptError(
+                f"{where}: tensor {key!r} is corrupt: chunk {chunk} (bytes {first}..{last} of the tensor) "
+                f"has checksum {format_checksum(actual)}, the manifest recorded {expected[index]}")

@@ -76,7 +76,8 @@ def _lightning_module() -> dict:
     return {"model": module_class(samples=800), "MyModule": module_class}  # 100 steps per epoch
 
 
-SETUPS = {"README.md": _plain_loop, "accelerate.md": _accelerate_loop, "lightning.md": _lightning_module}
+SETUPS = {"README.md": _plain_loop, "accelerate.md": _accelerate_loop, "lightning.md": _lightning_module,
+          "rollback.md": _accelerate_loop}
 
 
 # --- signature listings --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders |
+| ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :func:`run_summary` at the end of a run; :func:`falling_behind`: the write cannot keep up |
 | ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
@@ -25,9 +26,11 @@ from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint
+from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.steps import StepCounter
 
-__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "RunLayout", "SessionOptions", "StepCounter",
-           "capture_rng", "check_fits", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line"]
+__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "Restored", "RollbackPolicy",
+           "RunLayout", "SessionOptions", "StepCounter", "StepVote", "capture_rng", "check_fits",
+           "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
+           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line"]

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig, normalize_dirpath
 from lazyckpt.loading import latest
+from lazyckpt.policy.rollback import check_max_rollbacks
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
@@ -56,6 +57,9 @@ class SessionOptions:
     """Keep only the newest k checkpoints on the remote level (None keeps all)."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for ``remote`` or a URL directory (for s3fs e.g. ``endpoint_url``, ``key``, ``secret``)."""
+    max_rollbacks: int = 3
+    """Rollbacks on a non-finite loss allowed in a row without a newer good checkpoint; one more raises
+    :class:`~lazyckpt.RollbackLimitError` (see :class:`~lazyckpt.policy.RollbackPolicy`)."""
 
     _config: CheckpointConfig = field(init=False, repr=False)
 
@@ -66,6 +70,7 @@ class SessionOptions:
     def __post_init__(self) -> None:
         if isinstance(self.keep_last_k, bool):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
+        check_max_rollbacks(self.max_rollbacks)
         taken = [k for k in SET_BY_THE_RUN if k in self.engine]
         if taken:
             spelled = ", ".join(f"{k}=..." for k in taken)

@@ -1,0 +1,65 @@
+"""``LazyCheckpointHook.rollback()``: translates an Accelerate loop's state into the policy layer's
+:class:`~lazyckpt.policy.RollbackPolicy` (which decides), and its outcome back into the prepared objects.
+
+The bad step is the update the current iteration makes: ``hook.step + 1`` when ``rollback()`` is called before
+``optimizer.step()`` (the cheap place: right after the loss is computed), ``hook.step`` when the update already
+happened (its request, not issued yet, is dropped). The target is the newest snapshot strictly before it. With
+several processes every process must call ``rollback()`` for the same iteration; process 0 reads the target and
+broadcasts it (it alone holds the replicated state, as in Accelerate's own ``save_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
+
+from ._accelerate_state import PreparedRun
+
+
+class AccelerateRollback:
+    """The rollback side of one registered ``LazyCheckpointHook``."""
+
+    def __init__(self, session: CheckpointSession, run: PreparedRun) -> None:
+        accelerator = run.accelerator
+        self.run = run
+        self.keep_start = session.engine.config.keep_in_memory
+        self.policy = RollbackPolicy(session.engine, max_rollbacks=session.options.max_rollbacks,
+                                     is_source=accelerator.process_index == 0,
+                                     share=_broadcast if accelerator.num_processes > 1 else None)
+        self.stepped = False
+        """True between a completed optimizer update and the next forward of a prepared model."""
+
+    def remember_start(self, step: int) -> None:
+        """The state now is the target before the first snapshot (kept only with ``keep_in_memory=True``: a
+        private copy of the whole state costs host memory the user asked for with that option)."""
+        if self.keep_start:
+            self.policy.remember_start(step, self.run.replicated())
+
+    def on_step(self) -> None:
+        self.stepped = True
+        self.policy.drop_start_once_committed()
+
+    def bad_step(self, step: int) -> int:
+        """The step whose update is bad, given the hook's step counter now."""
+        return step if self.stepped else step + 1
+
+    def roll_back(self, bad_step: int) -> int | None:
+        """Restore the newest state before ``bad_step``; its step, or None when there is none."""
+        try:
+            restored = self.policy.roll_back(bad_step=bad_step)
+        except LookupError:
+            return None
+        self.run.restore_replicated(restored.state)
+        for optimizer in self.run.optimizers:
+            optimizer.zero_grad(set_to_none=True)  # the bad step's gradients must not leak into the next one
+        self.stepped = False
+        return restored.step
+
+
+def _broadcast(restored: Restored | None) -> Restored | None:
+    from accelerate.utils import broadcast_object_list
+
+    box: list[Any] = [restored]
+    broadcast_object_list(box, from_process=0)
+    return box[0]

@@ -1,0 +1,148 @@
+"""The memory level: the newest committed snapshot stays in host memory, checked, bounded, and discardable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lazyckpt
+from conftest import FailingStorage, GatedBackend, assert_tree_equal, clone_tree, snapshot, step
+
+
+def big_state(model, opt, extra: int = 0):
+    # More than one 8 MiB staging slot of lazy bytes, plus eager tensors and plain values.
+    state = snapshot(model, opt)
+    state["buffer"] = torch.full((3,), float(extra))
+    state["meta"] = {"epoch": extra, "tag": "x", "nan": float("nan")}
+    return state
+
+
+@pytest.fixture
+def large():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 1536), torch.nn.BatchNorm1d(1536), torch.nn.Linear(1536, 1536),
+                                torch.nn.Linear(1536, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step(model, opt)
+    return model, opt
+
+
+def save_step(ckpt, model, opt, n: int):
+    ckpt.save(big_state(model, opt, n), step=n, optimizers=[opt]).wait()
+
+
+def test_memory_snapshot_is_the_newest_committed_state_bit_for_bit(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        assert ckpt.memory_snapshot() is None
+        for n in (1, 2, 3):
+            step(model, opt, seed=n)
+            save_step(ckpt, model, opt, n)
+        expected = clone_tree(big_state(model, opt, 3))
+        got_step, state = ckpt.memory_snapshot()
+        assert got_step == 3
+        assert_tree_equal(state, expected)
+        assert_tree_equal(state, lazyckpt.load(lazyckpt.latest(tmp_path)))
+        # The snapshot is a copy: training on does not change it.
+        step(model, opt, seed=9)
+        assert_tree_equal(ckpt.memory_snapshot()[1], expected)
+
+
+def test_pool_holds_exactly_two_checkpoints_however_many_are_taken(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True, keep_last_k=1) as ckpt:
+        for n in range(1, 6):
+            step(model, opt, seed=n)
+            save_step(ckpt, model, opt, n)
+        per_checkpoint = ckpt._memory.slots_per_checkpoint(ckpt._job)
+        pool = ckpt._copier.pool
+        assert per_checkpoint > 1
+        assert pool.num_slots == 2 * per_checkpoint
+        held = len(ckpt._memory._newest.slots)
+        free = sum(1 for _ in iter(lambda: pool.acquire(block=False), None))
+        assert (held, free) == (per_checkpoint, per_checkpoint)
+
+
+def test_without_keep_in_memory_there_is_no_snapshot(tmp_path, trained):
+    model, opt = trained
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+        assert ckpt.memory_snapshot() is None
+
+
+def test_a_budget_below_two_checkpoints_is_refused_with_the_size_needed(tmp_path, large):
+    model, opt = large
+    with pytest.raises(ValueError, match="keep_in_memory=True needs host_buffer_bytes of at least 16 MiB"):
+        lazyckpt.LazyCheckpointer(tmp_path / "a", keep_in_memory=True, host_buffer_bytes=8 << 20)
+    with lazyckpt.LazyCheckpointer(tmp_path / "b", keep_in_memory=True, host_buffer_bytes=16 << 20) as ckpt:
+        with pytest.raises(ValueError, match=r"needs host_buffer_bytes >= \d+ \(\d+ MiB: two checkpoints"):
+            ckpt.save(big_state(model, opt), step=1, optimizers=[opt])
+        assert not os.listdir(ckpt.dirpath) or lazyckpt.latest(ckpt.dirpath) is None
+
+
+def test_corrupted_host_bytes_are_detected_when_read_back(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        _, slot, _ = ckpt._memory._newest.slots[0]
+        slot[100] ^= 0xFF
+        with pytest.raises(lazyckpt.CheckpointCorruptError, match="memory snapshot of step 1"):
+            ckpt.memory_snapshot()
+
+
+def test_a_snapshot_missing_a_staged_piece_is_refused_not_returned(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        ckpt._memory._newest.slots.pop()
+        with pytest.raises(lazyckpt.CheckpointCorruptError, match="memory snapshot of step 1 is incomplete"):
+            ckpt.memory_snapshot()
+
+
+def test_discarding_the_in_flight_checkpoint_leaves_neither_files_nor_snapshot(tmp_path, large):
+    model, opt = large
+    backend = GatedBackend()
+    backend.gate.set()
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True, backend=backend) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        backend.gate.clear()
+        backend.entered.clear()
+        pending = ckpt.save(big_state(model, opt, 2), step=2, optimizers=[opt])
+        backend.entered.wait()
+        backend.gate.set()
+        assert ckpt.discard(2)
+        assert pending.done() and isinstance(pending.error, lazyckpt.CheckpointDiscardedError)
+        assert not [d for d in os.listdir(tmp_path) if "step-0000002" in d]  # neither committed nor partial
+        assert ckpt.memory_snapshot()[0] == 1
+        ckpt.wait_staged()  # the discard is not reported as a failure
+        save_step(ckpt, model, opt, 3)
+        assert ckpt.memory_snapshot()[0] == 3
+
+
+def test_discarding_a_committed_checkpoint_removes_it_from_disk_and_memory(tmp_path, trained):
+    model, opt = trained
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+        assert ckpt.discard(1)
+        assert lazyckpt.latest(tmp_path) is None
+        assert ckpt.memory_snapshot() is None
+        assert not ckpt.discard(1)
+
+
+def test_a_failed_checkpoint_keeps_the_previous_snapshot(tmp_path, large):
+    model, opt = large
+    storage = FailingStorage()
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True, storage=storage) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        expected = clone_tree(big_state(model, opt, 1))
+        storage.fail = True
+        with pytest.raises(OSError):
+            save_step(ckpt, model, opt, 2)
+        storage.fail = False
+        got_step, state = ckpt.memory_snapshot()
+        assert got_step == 1
+        assert_tree_equal(state, expected)
+        save_step(ckpt, model, opt, 3)
+        assert ckpt.memory_snapshot()[0] == 3
