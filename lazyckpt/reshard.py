@@ -25,6 +25,7 @@ from lazyckpt.checksum import CHUNK_BYTES, checksum_run, format_checksum
 from lazyckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format import torch_dtype
 from lazyckpt.reader import CheckpointReader, RankFile
+from lazyckpt.remote.urls import storage_for
 from lazyckpt.sharding import is_dtensor
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
@@ -156,7 +157,7 @@ def target_block(key: str, target: torch.Tensor, global_shape: list[int]) -> tup
 
 
 def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, rank: int | None = None,
-              storage: Storage | None = None) -> Any:
+              storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """Fill the tensors of ``state`` in place from a checkpoint, resharding to this run's layout.
 
     ``state`` is a nested dict whose tensor leaves are the targets (DTensors of any mesh, or plain tensors), e.g.
@@ -164,11 +165,13 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
     Each rank reads only the byte ranges its targets need, and verifies the checksums of what it reads.
 
     Args:
-        path: a committed ``step-NNNNNNN`` directory holding every rank's files (see :func:`lazyckpt.latest`).
+        path: a committed ``step-NNNNNNN`` directory holding every rank's files (see :func:`lazyckpt.latest`), or
+            its fsspec URL on a remote level (``s3://bucket/run/step-0000040``: only the byte ranges needed are read).
         state: the targets.
         verify: check the checksum of every chunk read (on by default).
         rank: whose :class:`~lazyckpt.PerRank` values to return (default: this process's rank in the group).
-        storage: where the files live (default: local files).
+        storage: where the files live (default: local files, or fsspec for a URL).
+        storage_options: passed to fsspec when ``path`` is a URL.
 
     Returns:
         The saved tree, with the target objects themselves at the tensor leaves that have a target and the
@@ -181,7 +184,7 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
     rank = _this_rank() if rank is None else rank
     _, leaves, _, _ = flatten(state)
     targets = dict(leaves)
-    reader = CheckpointReader(os.fspath(path), storage)
+    reader = CheckpointReader(*storage_for(path, storage, storage_options))
     own = rank < reader.world_size
     with ShardFiles(reader, verify=verify) as files:
         doc = files.rank(rank if own else 0).doc

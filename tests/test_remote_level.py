@@ -46,6 +46,19 @@ def test_restore_from_the_remote_with_the_local_directory_deleted_is_bit_exact(t
     lazyckpt.verify(newest, storage_options=options)
 
 
+def test_load_into_fills_targets_from_the_remote_with_the_local_directory_deleted(tmp_path, trained, any_remote):
+    url, options = any_remote
+    model, opt = trained
+    with lazyckpt.LazyCheckpointer(tmp_path / "local", remote=url, storage_options=options) as ckpt:
+        remote_step = ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait_remote()
+        expected = clone_tree(snapshot(model, opt))
+    shutil.rmtree(tmp_path / "local")
+    targets = {k: torch.zeros_like(v) for k, v in expected["model"].items()}
+    loaded = lazyckpt.load_into(remote_step, {"model": targets}, storage_options=options)
+    assert all(loaded["model"][k] is t for k, t in targets.items()), "filled in place"
+    assert_tree_equal(loaded, expected)
+
+
 def test_uploads_read_the_local_level_through_its_storage(trained, any_remote):
     from lazyckpt.storage.memory import MemoryStorage
 
@@ -69,7 +82,9 @@ def test_a_corrupted_remote_object_is_named_by_load_and_verify(tmp_path, trained
     data[-3] ^= 0xFF
     storage.fs.pipe_file(storage._path(tensor_url), bytes(data))
     for read in (lambda: lazyckpt.verify(target, storage_options=options),
-                 lambda: lazyckpt.load(target, storage_options=options)):
+                 lambda: lazyckpt.load(target, storage_options=options),
+                 lambda: lazyckpt.load_into(target, {"model": clone_tree(model.state_dict())},
+                                            storage_options=options)):
         with pytest.raises(lazyckpt.CheckpointCorruptError, match=f"{tensor_url}: tensor .* is corrupt"):
             read()
 
