@@ -20,7 +20,8 @@ from typing_extensions import override
 import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, SessionOptions,
-                             checkpoint_metrics, falling_behind, newest_checkpoint, run_summary, summary_line)
+                             checkpoint_metrics, falling_behind, newest_checkpoint, run_summary, summary_line,
+                             url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -34,7 +35,9 @@ class LazyCheckpointMixin:
     Args:
         dirpath: where checkpoints go (default: chosen like ``ModelCheckpoint``). Each checkpoint is a
             ``step-NNNNNNN/`` directory; ModelCheckpoint's file names (``epoch=1-step=40.ckpt``,
-            ``last.ckpt``) are links to them. ``lazyckpt.latest(dirpath)`` gives the newest.
+            ``last.ckpt``) are links to them. ``lazyckpt.latest(dirpath)`` gives the newest. An fsspec URL
+            (``s3://bucket/run``): every checkpoint is uploaded there, and the names live in a private local
+            spool directory (``engine_options={"spool_dir": ...}``), which becomes ``self.dirpath``.
         keep_last_k: also keep the newest k checkpoints whatever ``save_top_k`` says. A checkpoint is deleted
             only when neither keeps it (keeping wins). None: ``save_top_k``/``save_last`` alone decide.
         host_buffer_bytes: bytes of host memory that stage the lazy copies (None: one checkpoint's worth). Less
@@ -74,14 +77,15 @@ class LazyCheckpointMixin:
                  log_stats: bool = True, keep_in_memory: bool = False, rollback_on_nonfinite: bool = False,
                  **kwargs: Any) -> None:
         ours, kwargs = SessionOptions.split(kwargs)
+        engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
+                  "keep_in_memory": keep_in_memory, **(engine_options or {})}
+        options = SessionOptions(owner="LazyCheckpoint", source="the trainer", keep_last_k=keep_last_k,
+                                 engine=engine, **ours)
+        dirpath, self.options = url_dirpath_levels(dirpath, options)  # ModelCheckpoint's names need a local dir
         super().__init__(dirpath=dirpath, **kwargs)
         LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)
         self.rollback_on_nonfinite = rollback_on_nonfinite
         self._rollback: LightningRollback | None = None
-        engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
-                  "keep_in_memory": keep_in_memory, **(engine_options or {})}
-        self.options = SessionOptions(owner="LazyCheckpoint", source="the trainer", keep_last_k=keep_last_k,
-                                      engine=engine, **ours)
         self.keep_last_k = keep_last_k
         self.log_stats = log_stats
         self.session: CheckpointSession | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
@@ -71,3 +72,34 @@ def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_p
     assert trainer.ckpt_path == str(fetched), "resumed from the copy fetched from the remote level"
     for key, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_lightning_with_a_url_dirpath_uploads_every_checkpoint_and_resumes_from_it_on_an_empty_node(
+        tmp_path, s3_remote, monkeypatch):
+    import torch
+    from _lightning_helpers import run
+
+    from lazyckpt.remote.catalog import remote_steps
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    url, options = s3_remote
+    _, reference, _ = run(str(tmp_path / "reference"), max_epochs=3)
+    cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    temp.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr("tempfile.tempdir", str(temp))  # the default spool directory of node A
+    _, _, first = run(url, max_epochs=2, callback_kwargs={"save_top_k": -1, "storage_options": options})
+    assert first.dirpath.startswith(str(temp)) and list(cwd.iterdir()) == []
+    saved = sorted(step for step, _ in (lazyckpt.loading.committed_steps(first.dirpath).items()))
+    assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == saved and len(saved) == 2
+    assert os.path.realpath(first.best_model_path).startswith(first.dirpath), "names live in the spool"
+
+    spool_b = tmp_path / "node-b-spool"
+    trainer, resumed, second = run(url, max_epochs=3, resume="last", callback_kwargs={
+        "save_top_k": -1, "storage_options": options, "engine_options": {"spool_dir": str(spool_b)}})
+    assert second.dirpath == str(spool_b)
+    assert trainer.ckpt_path == str(spool_b / f"step-{saved[-1]:07d}"), "fetched from the remote level"
+    for key, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-{trainer.global_step:07d}"

@@ -16,12 +16,14 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :func:`run_summary` at the end of a run; :func:`falling_behind`: the write cannot keep up |
 | ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
+| ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
 """
 
 from __future__ import annotations
 
 from lazyckpt.policy.feedback import falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
+from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
@@ -33,4 +35,5 @@ from lazyckpt.policy.steps import StepCounter
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "Restored", "RollbackPolicy",
            "RunLayout", "SessionOptions", "StepCounter", "StepVote", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line"]
+           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line",
+           "url_dirpath_levels"]

@@ -33,6 +33,7 @@ class EngineOptions(TypedDict, total=False):
     min_free_bytes: int
     fsync: bool
     on_older_step: Literal["error", "move_aside"]
+    spool_dir: str
     storage: Any
     backend: Any
 
