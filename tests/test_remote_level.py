@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -171,20 +172,22 @@ def test_several_ranks_upload_their_own_files_and_rank_0_commits_last(tmp_path, 
         ranks[r].close()
 
 
-def test_local_retention_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
-    import threading
+class GatedRemote(FsspecStorage):
+    """A remote whose uploads wait at a gate: a step is "still uploading" for as long as the test wants."""
 
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def upload_file(self, local_path, path):
+        self.entered.set()
+        self.gate.wait()
+        super().upload_file(local_path, path)
+
+
+def test_local_retention_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
     url, options = s3_remote
     model, opt = trained
-
-    class GatedRemote(FsspecStorage):
-        gate, entered = threading.Event(), threading.Event()
-
-        def upload_file(self, local_path, path):
-            self.entered.set()
-            self.gate.wait()
-            super().upload_file(local_path, path)
-
     ckpt = lazyckpt.LazyCheckpointer(tmp_path, keep_last_k=1, remote=url, remote_every_n=2, storage_options=options)
     gated = ckpt.remote.storage = GatedRemote(url, options)
     ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait()
@@ -199,3 +202,27 @@ def test_local_retention_never_deletes_a_checkpoint_that_is_still_uploading(tmp_
     ckpt.close()
     assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [5]
     assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000002"
+
+
+def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
+    from lazyckpt.policy import CheckpointSession, SessionOptions
+
+    url, options = s3_remote
+    model, opt = trained
+    session = CheckpointSession(tmp_path, SessionOptions(owner="Adapter", source="the framework", remote=url,
+                                                         storage_options=options),
+                                rank=0, world_size=1, engine_retention=False)
+    gated = session.engine.remote.storage = GatedRemote(url, options)
+    for s in (1, 2):
+        step(model, opt, seed=s)
+        session.save(s, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
+        gated.entered.wait()
+    assert session.purge(released={1}) == [], "step 1 is still uploading"
+    gated.gate.set()
+    session.engine.remote.drain()
+    step(model, opt, seed=3)
+    session.save(3, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
+    assert session.purge() == [1], "released once its upload is done"
+    session.close()
+    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [2, 3]
+    assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2, 3]

@@ -69,6 +69,7 @@ class CheckpointSession:
         self._users = 1
         self._last: PendingCheckpoint | None = None
         self._protectors: list[Callable[[], Collection[int]]] = []
+        self._released_while_uploading: set[int] = set()
 
     @classmethod
     def shared(cls, dirpath: Any, options: SessionOptions, *, rank: int, world_size: int,
@@ -149,12 +150,17 @@ class CheckpointSession:
 
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.retention.steps_to_purge`):
-        ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one or the newest.
-        Returns the steps deleted."""
+        ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one, the newest, or
+        one still uploading to the remote level (a released one is deleted by a later purge). Returns the steps
+        deleted."""
         committed = list(committed_steps(self.engine.dirpath, self.storage))
         if not committed:
             return []
-        protected = set(protected).union(*(steps() for steps in self._protectors))
+        remote = self.engine.remote
+        uploading = {step for step in committed if remote is not None and remote.holds(step)}
+        released = set(released) | self._released_while_uploading
+        self._released_while_uploading = released & uploading  # released again by the next purge
+        protected = set(protected).union(uploading, *(steps() for steps in self._protectors))
         doomed = steps_to_purge(committed, self.options.keep_last_k, just_committed=max(committed),
                                 protected=protected, released=released)
         removed = [step for step in doomed if self.engine.remove(step)]
