@@ -38,7 +38,8 @@ def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):
     lazyckpt.LazyCheckpointer(tmp_path).close()  # the failed construction left the directory unlocked
 
 
-def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_uploads_resume(tmp_path, trained, s3_remote):
+def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_the_missed_step_is_uploaded_at_the_next_commit(
+        tmp_path, trained, s3_remote):
     url, options = s3_remote
     model, opt = trained
     ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
@@ -58,7 +59,32 @@ def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_uploads_resume
     ckpt.close()
     assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [1, 2, 3]
     committed, partial = remote_steps(FsspecStorage(url, options), url)
-    assert sorted(committed) == [1, 3] and partial == [f"{url}/step-0000002"]
+    assert sorted(committed) == [1, 2, 3] and partial == [], "step 2 was retried when step 3 committed"
+
+
+def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
+    flaky = ckpt.remote.storage = FlakyRemote(url, options)
+    flaky.fail = True
+    ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+    ckpt.remote.drain()
+    with pytest.raises(ConnectionError) as failure:
+        ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
+    assert "step 1" in "\n".join(failure.value.__notes__) and "retried once" in "\n".join(failure.value.__notes__)
+    ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait()  # commit 2: step 1 retried, fails again
+    ckpt.remote.drain()
+    with pytest.raises(ConnectionError) as failure:
+        ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
+    assert "while uploading step 1" in "\n".join(failure.value.__notes__)
+    assert "not retried again" in "\n".join(failure.value.__notes__)
+    flaky.fail = False
+    assert ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait_remote() == f"{url}/step-0000003"
+    ckpt.close()
+    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [1, 2, 3], "nothing deleted locally"
+    committed, partial = remote_steps(FsspecStorage(url, options), url)
+    assert sorted(committed) == [2, 3] and partial == [f"{url}/step-0000001"]
     lazyckpt.LazyCheckpointer(tmp_path / "next", remote=url, storage_options=options).close()
     assert remote_steps(FsspecStorage(url, options), url)[1] == [], "the next run removes the partial upload"
 

@@ -52,6 +52,8 @@ class RemoteUpload:
     error_delivered: bool = False
     seconds: float = 0.0
     nbytes: int = 0
+    retry: bool = False
+    """This is the one retry of a failed upload (made at the next commit); it is not retried again."""
 
 
 _COPY_BYTES = 8 << 20
@@ -102,6 +104,8 @@ class RemoteLevel:
         self._probe()
         self._uploads: dict[int, RemoteUpload] = {}
         self._failed: list[RemoteUpload] = []
+        self._to_retry: list[tuple[RemoteUpload, str]] = []
+        """Failed first attempts and their local directories, queued again at the next commit."""
         self.completed: list[RemoteUpload] = []
         """Uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the throughput)."""
         self._lock = threading.Lock()
@@ -134,10 +138,26 @@ class RemoteLevel:
         return upload
 
     def submit(self, step: int, local_dir: str) -> None:
-        """Queue the committed local checkpoint of ``step`` (commit thread; returns at once)."""
+        """Queue the committed local checkpoint of ``step`` (commit thread; returns at once), after the one retry
+        of each upload that failed since the previous commit. Called before local retention runs: the steps
+        queued are held from it until their upload is finished."""
+        for retry, retry_dir in self._take_retries():
+            self._enqueue(retry, retry_dir)
         upload = self._uploads.get(step)
-        if upload is None:
-            return
+        if upload is not None:
+            self._enqueue(upload, local_dir)
+
+    def _take_retries(self) -> list[tuple[RemoteUpload, str]]:
+        with self._lock:
+            failed, self._to_retry = self._to_retry, []
+            retries = [(RemoteUpload(step=u.step, url=u.url, job=u.job, retry=True), d) for u, d in failed
+                       if self.local.stat(d) is not None]  # gone: the local level no longer keeps that step
+            self._uploads.update((r.step, r) for r, _ in retries)
+        for upload, _ in retries:
+            logger.info("lazyckpt: retrying the failed upload of step %d to %s", upload.step, upload.url)
+        return retries
+
+    def _enqueue(self, upload: RemoteUpload, local_dir: str) -> None:
         if self._thread is None:
             self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=WRITER_NICE)
         self._queue.put((upload, local_dir))
@@ -195,14 +215,18 @@ class RemoteLevel:
                 if self.rank == 0:
                     self._prune(upload.step)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread at its next call
+                then = "not retried again" if upload.retry else "retried once at the next commit"
                 e.add_note(f"lazyckpt: while uploading step {upload.step} to {upload.url} (rank {self.rank}); "
-                           "the local checkpoint is intact and later steps are still uploaded")
+                           f"the local checkpoint is intact, this upload is {then}, later steps are still uploaded")
                 upload.error = e
                 with self._lock:
                     self._failed.append(upload)
+                    if not upload.retry:
+                        self._to_retry.append((upload, local_dir))
             finally:
                 with self._lock:
-                    self._uploads.pop(upload.step, None)
+                    if self._uploads.get(upload.step) is upload:  # not its retry, registered meanwhile
+                        del self._uploads[upload.step]
                 upload.done.set()
 
     def _upload(self, upload: RemoteUpload, local_dir: str) -> int:
