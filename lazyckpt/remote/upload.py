@@ -4,6 +4,7 @@ One uploader thread per checkpointer takes committed step directories from the l
 the training process) and streams them to ``remote/step-NNNNNNN/``: each rank its own tensor file, then its
 rank manifest; rank 0 then waits until every rank's upload is durable and writes ``manifest.json`` last, the
 commit object readers look for. Older remote steps are pruned only after a newer one is committed there.
+A failed upload is queued once more at the next commit, from the same committed local files.
 
 The thread starts like every lazyckpt background thread (one torch thread, a lower priority), so it never
 competes with the training thread for a core it needs.
