@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} torch threads")
     print(f"stall per checkpoint, median: without remote {statistics.median(plain) * 1e3:.1f} ms, "
           f"with remote {statistics.median(remote) * 1e3:.1f} ms")
+    print("stall of each measured checkpoint (ms): without remote "
+          f"{[round(s * 1e3, 1) for s in plain]}, with remote {[round(s * 1e3, 1) for s in remote]}")
     print(f"upload throughput while training, median: lazyckpt {ours:.0f} MB/s")
     print(f"upload of the same tensor file ({size / 1e6:.0f} MB) after training (median of 3): lazyckpt's upload "
           f"{ours_idle:.0f} MB/s, plain s3fs put_file {theirs:.0f} MB/s; ratio {ours_idle / theirs:.2f}x")
