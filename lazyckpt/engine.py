@@ -33,7 +33,8 @@ from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.remote.options import split_levels
-from lazyckpt.remote.upload import RemoteLevel, RemoteUpload, open_remote_level, wait_for_upload
+from lazyckpt.pending import PendingCheckpoint, remaining
+from lazyckpt.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.rendezvous import Rendezvous, default_store, group_rank
 from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.retention import committed_steps, steps_to_purge
@@ -48,66 +49,6 @@ logger = logging.getLogger(__name__)
 GROUP_STORE: Any = object()
 """``store``'s default: the initialized default process group's store, or none outside a process group."""
 _OPEN: weakref.WeakSet[LazyCheckpointer] = weakref.WeakSet()
-
-
-class PendingCheckpoint:
-    """The handle ``save()`` returns. ``wait()`` gives the committed directory (``None`` if the request was skipped)."""
-
-    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int,
-                 upload: RemoteUpload | None = None) -> None:
-        self._checkpointer = checkpointer
-        self._job = job
-        self._upload = upload
-        self.step = step
-        self.skipped = job is None
-        self.path = None if job is None else job.final_dir
-
-    def done(self) -> bool:
-        """True once the checkpoint is committed or failed (or was skipped). Any thread; never blocks."""
-        return self._job is None or self._job.done
-
-    def wait(self, timeout: float | None = None) -> str | None:
-        """Pass the barrier, then block until the checkpoint is durable and committed; returns its directory.
-        Training thread (it may run the ``Deferred`` leaves). ``timeout`` bounds the whole call, barrier included.
-
-        Raises:
-            TimeoutError: not committed within ``timeout`` seconds.
-            BaseException: the background failure of this checkpoint (the original exception object).
-        """
-        if self._job is None:
-            return None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not (self._checkpointer._barrier(self._job, timeout)
-                and self._job.wait_done(_remaining(deadline))):
-            raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
-        if self._job.error is not None:
-            self._job.error_delivered = True
-            raise self._job.error  # always: this handle's checkpoint failed, whoever saw the error first
-        return self.path
-
-    def wait_remote(self, timeout: float | None = None) -> str | None:
-        """Block until this checkpoint is committed on the remote level; returns its URL, or ``None`` when this
-        step is not due for upload (or the request was skipped).
-
-        Raises:
-            TimeoutError: not committed remotely within ``timeout`` seconds.
-            BaseException: the local or the upload failure of this checkpoint (the original exception object).
-        """
-        if self._upload is None:
-            return None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self.wait(timeout)
-        return wait_for_upload(self._upload, _remaining(deadline))
-
-    @property
-    def failed(self) -> bool:
-        """True once this checkpoint has failed (see :attr:`error`)."""
-        return self._job is not None and self._job.error is not None
-
-    @property
-    def error(self) -> BaseException | None:
-        """The background failure of this checkpoint, if any (the original exception object)."""
-        return None if self._job is None else self._job.error
 
 
 class LazyCheckpointer:
@@ -374,13 +315,13 @@ class LazyCheckpointer:
         """Training thread: wait until ``job`` is staged, evaluate its Deferred leaves, and pass. Returns False
         when ``timeout`` ran out first (the barrier is then still ahead)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not job.barrier_lock.acquire(timeout=-1 if deadline is None else _remaining(deadline)):
+        if not job.barrier_lock.acquire(timeout=-1 if deadline is None else remaining(deadline)):
             return False
         try:
             if job.barrier_passed:
                 return True
             started = time.monotonic()
-            if not job.wait_staged(_remaining(deadline)):
+            if not job.wait_staged(remaining(deadline)):
                 return False
             owns_commit = self._complete_tree(job)
             job.barrier_passed = True
@@ -480,10 +421,6 @@ def _close_open_checkpointers() -> None:
             checkpointer.close()
         except BaseException as e:  # noqa: BLE001
             logger.error("lazyckpt: closing %s at exit failed: %r", checkpointer.dirpath, e)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 __all__ = ["LazyCheckpointer", "PendingCheckpoint"]

@@ -1,0 +1,77 @@
+"""``PendingCheckpoint``: the handle ``LazyCheckpointer.save()`` returns, for waiting on one checkpoint."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from lazyckpt.job import CheckpointJob
+from lazyckpt.remote.upload import RemoteUpload, wait_for_upload
+
+if TYPE_CHECKING:
+    from lazyckpt.engine import LazyCheckpointer
+
+
+class PendingCheckpoint:
+    """The handle ``save()`` returns. ``wait()`` gives the committed directory (``None`` if the request was skipped)."""
+
+    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int,
+                 upload: RemoteUpload | None = None) -> None:
+        self._checkpointer = checkpointer
+        self._job = job
+        self._upload = upload
+        self.step = step
+        self.skipped = job is None
+        self.path = None if job is None else job.final_dir
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or failed (or was skipped). Any thread; never blocks."""
+        return self._job is None or self._job.done
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Pass the barrier, then block until the checkpoint is durable and committed; returns its directory.
+        Training thread (it may run the ``Deferred`` leaves). ``timeout`` bounds the whole call, barrier included.
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` seconds.
+            BaseException: the background failure of this checkpoint (the original exception object).
+        """
+        if self._job is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not (self._checkpointer._barrier(self._job, timeout)
+                and self._job.wait_done(remaining(deadline))):
+            raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
+        if self._job.error is not None:
+            self._job.error_delivered = True
+            raise self._job.error  # always: this handle's checkpoint failed, whoever saw the error first
+        return self.path
+
+    def wait_remote(self, timeout: float | None = None) -> str | None:
+        """Block until this checkpoint is committed on the remote level; returns its URL, or ``None`` when this
+        step is not due for upload (or the request was skipped).
+
+        Raises:
+            TimeoutError: not committed remotely within ``timeout`` seconds.
+            BaseException: the local or the upload failure of this checkpoint (the original exception object).
+        """
+        if self._upload is None:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait(timeout)
+        return wait_for_upload(self._upload, remaining(deadline))
+
+    @property
+    def failed(self) -> bool:
+        """True once this checkpoint has failed (see :attr:`error`)."""
+        return self._job is not None and self._job.error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The background failure of this checkpoint, if any (the original exception object)."""
+        return None if self._job is None else self._job.error
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until the monotonic ``deadline``, never negative; None when there is no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
