@@ -3,8 +3,8 @@
 On the default benchmark workload (``benchmarks/workload.py``), for each path the time from "the loss of step N
 is nan" until model and optimizer hold the state of the newest checkpoint before N again:
 
-* ``memory``: ``RollbackPolicy.roll_back`` with ``keep_in_memory=True`` (copy out of the staging pool, checked)
-  plus ``load_state_dict``;
+* ``memory``: ``RollbackPolicy.roll_back`` with ``keep_in_memory=True`` (copied out of the staging pool straight
+  into the live model and optimizer tensors, each chunk checked as it is copied) plus ``load_state_dict``;
 * ``disk``: the same with ``keep_in_memory=False`` (``lazyckpt.load`` of the newest committed checkpoint, checked,
   page cache dropped first: written back and ``posix_fadvise(DONTNEED)``);
 * ``restart``: a new Python process that imports torch and lazyckpt, builds the model and optimizer, loads the
@@ -16,6 +16,7 @@ keeping the snapshot must not change it. Every restored state is compared bit fo
 Usage:
     python benchmarks/rollback.py                 # the default workload (25M parameters), 3 repeats
     python benchmarks/rollback.py --params-m 4 --repeats 1   # quick
+    OMP_NUM_THREADS=1 python benchmarks/rollback.py          # torch (and the restore) on one thread
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def train(w: Workload, dirpath: str, *, keep_in_memory: bool, bad_step: int) -> 
         expected = normalize(*_reference(dirpath))
         evict_from_page_cache(dirpath)
         started = time.monotonic()
-        restored = policy.roll_back(bad_step=bad_step)
+        restored = policy.roll_back(bad_step=bad_step, into={"model": model.state_dict(), "opt": opt.state_dict()})
         model.load_state_dict(restored.state["model"])
         opt.load_state_dict(restored.state["opt"])
         rollback_s = time.monotonic() - started

@@ -47,7 +47,7 @@ class AccelerateRollback:
     def roll_back(self, bad_step: int) -> int | None:
         """Restore the newest state before ``bad_step``; its step, or None when there is none."""
         try:
-            restored = self.policy.roll_back(bad_step=bad_step)
+            restored = self.policy.roll_back(bad_step=bad_step, into=self.run.replicated())
         except LookupError:
             return None
         self.run.restore_replicated(restored.state)

@@ -55,7 +55,7 @@ class LightningRollback:
         if not trainer.strategy.reduce_boolean_decision(mine, all=False):
             self.policy.drop_start_once_committed()
             return False
-        restored = self.policy.roll_back(bad_step=trainer.global_step)
+        restored = self.policy.roll_back(bad_step=trainer.global_step, into=training_state(trainer))
         load_training_state(trainer, restored.state)
         self._report(trainer, restored)
         return True

@@ -191,18 +191,26 @@ class LazyCheckpointer:
         self.storage.remove_tree(doomed)
         return True
 
-    def memory_snapshot(self) -> tuple[int, Any] | None:
+    def memory_snapshot(self, *, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
 
         Needs ``keep_in_memory=True``. The bytes are copied out of the staging pool and checked against their
         checksums; nothing else waits (the checkpoint being written goes on). Load the state with the usual
         ``load_state_dict`` calls.
 
+        Args:
+            into: the live state, e.g. ``{"model": model.state_dict(), "opt": opt.state_dict()}`` (the structure
+                that was saved): snapshot tensors are copied straight into its tensors where key, dtype and shape
+                match (contiguous CPU tensors), so the ``load_state_dict`` calls that follow copy nothing more.
+                Tensors without such a target come back fresh.
+            before: only a snapshot of an earlier step is read (None is returned otherwise, ``into`` untouched).
+
         Raises:
-            CheckpointCorruptError: the host copy no longer matches its checksums.
+            CheckpointCorruptError: the host copy no longer matches its checksums (tensors of ``into`` may
+                already hold part of the snapshot: load another state into them).
         """
         self._check_open("memory_snapshot")
-        return None if self._memory is None else self._memory.read()
+        return None if self._memory is None else self._memory.read(into, before)
 
     def discard(self, step: int) -> bool:
         """Make sure no checkpoint of ``step`` survives: abort it when in flight, else remove it.

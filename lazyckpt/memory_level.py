@@ -6,13 +6,15 @@ the eager tensors (private CPU copies made by ``save()``) are kept too. When the
 become the newest snapshot and the previous snapshot's slots go back to the pool. So the pool holds at most two
 checkpoints: the newest complete one and the one being written (double buffering), and nothing accumulates.
 
-Reading a snapshot copies its bytes out under a lock (the writer cannot recycle them meanwhile), checks every
-chunk against the checksums recorded for the file with the reader's own check
-(:func:`lazyckpt.tensor_io.check_chunks`), and rebuilds the state with the reader's decoder.
+Reading a snapshot copies its bytes out under a lock (the writer cannot recycle them meanwhile), straight into
+the caller's live tensors where they fit (:mod:`lazyckpt.snapshot_copy`), checks every chunk against the
+checksums recorded for the file with the reader's own check as it is copied, and rebuilds the state with the
+reader's decoder.
 
 Example:
     >>> ckpt = LazyCheckpointer("runs/ckpt", keep_in_memory=True)      # doctest: +SKIP
-    >>> step, state = ckpt.memory_snapshot()                           # doctest: +SKIP
+    >>> live = {"model": model.state_dict(), "opt": opt.state_dict()}  # doctest: +SKIP
+    >>> step, state = ckpt.memory_snapshot(into=live)                  # doctest: +SKIP
     >>> model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])   # doctest: +SKIP
 """
 
@@ -20,20 +22,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, num_chunks, tensor_bytes
-from lazyckpt.errors import CheckpointCorruptError
-from lazyckpt.format import torch_dtype
+from lazyckpt.checksum import tensor_bytes
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.plan import PIECE_BYTES, Piece, segment_runs
-from lazyckpt.tensor_io import WORKERS, check_chunks
-from lazyckpt.threads import limit_torch_threads_here
+from lazyckpt.reshard import tensor_targets
+from lazyckpt.snapshot_copy import Destinations, Transfer, copy_and_check
 from lazyckpt.unflatten import unflatten
 
 
@@ -148,71 +147,40 @@ class MemoryLevel:
         snapshot = self._newest
         return None if snapshot is None else snapshot.job.step
 
-    def read(self) -> tuple[int, Any] | None:
+    def read(self, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest snapshot, its bytes copied out and checked; None when there is none.
 
-        The copy runs on the calling thread while worker threads check the chunks already copied (numpy releases
-        the GIL for both), so a read costs about the larger of the two, not their sum.
+        ``into`` (optional) is a state with live tensors at its leaves (e.g. ``{"model": model.state_dict()}``):
+        every snapshot tensor whose key, dtype and shape match a contiguous CPU tensor there is copied straight
+        into it and the returned state holds that tensor; the others come back as fresh tensors. Each chunk is
+        checked as soon as it is copied, on as many threads as torch uses (``torch.get_num_threads()``).
+        ``before``: read only a snapshot of an earlier step (None otherwise).
 
         Raises:
-            CheckpointCorruptError: a chunk no longer matches the checksum recorded when it was written.
+            CheckpointCorruptError: a chunk no longer matches the checksum recorded when it was written (tensors
+                of ``into`` may then hold part of the snapshot).
         """
-        pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-check", initializer=limit_torch_threads_here)
-        try:
-            with self._lock:
-                snapshot = self._newest
-                if snapshot is None:
-                    return None
-                checks = _Checks(snapshot.job, pool)
-                tensors = _copy_out(snapshot, checks.submit)
-            checks.wait()
-        finally:
-            pool.shutdown(cancel_futures=True)
-        job = snapshot.job
-        return job.step, unflatten(job.tree, tensors, checks.where)
+        targets = {} if into is None else tensor_targets(into)
+        with self._lock:
+            snapshot = self._newest
+            if snapshot is None or (before is not None and snapshot.job.step >= before):
+                return None
+            job = snapshot.job
+            where = f"memory snapshot of step {job.step}"
+            dests = Destinations(job.entries, targets, where)
+            copy_and_check(_transfers(snapshot, dests.raw), job.entries, job.checksums, where,
+                           threads=torch.get_num_threads())
+        return job.step, unflatten(job.tree, dests.tensors, where)
 
 
-class _Checks:
-    """The chunk checks of one read, on worker threads, with the reader's own check (``check_chunks``)."""
-
-    def __init__(self, job: CheckpointJob, pool: ThreadPoolExecutor) -> None:
-        self.job, self.pool = job, pool
-        self.where = f"memory snapshot of step {job.step}"
-        self.futures: list[Future] = []
-        self.chunks = 0
-
-    def submit(self, index: int, data: np.ndarray, start: int) -> None:
-        """Check ``data``, the bytes of entry ``index`` from ``start`` (a chunk boundary)."""
-        key = self.job.entries[index].key
-        first, count = start // CHUNK_BYTES, num_chunks(data.size)
-        self.chunks += count
-        self.futures.append(self.pool.submit(check_chunks, data, start, self.job.checksums[key][first : first + count],
-                                             self.where, key))
-
-    def wait(self) -> None:
-        for future in self.futures:
-            future.result()
-        recorded = sum(len(sums) for sums in self.job.checksums.values())
-        if self.chunks != recorded:  # every recorded chunk must have been copied out and checked
-            raise CheckpointCorruptError(f"{self.where} is incomplete: {self.chunks} of its {recorded} chunks are "
-                                         "held in memory")
-
-
-def _copy_out(snapshot: _Snapshot, check: Callable[[int, np.ndarray, int], None]) -> dict[str, torch.Tensor]:
-    """Fresh tensors with the snapshot's bytes (so the slots can be recycled once this returns); ``check`` is
-    called with each run of bytes as soon as it is copied."""
-    entries = snapshot.job.entries
-    tensors = [torch.empty(e.nbytes, dtype=torch.uint8) for e in entries]
-    raw = [t.numpy() for t in tensors]  # numpy slice assignment is a plain memcpy (torch's uint8 copy_ is slower)
-    for index, tensor in snapshot.eager.items():
-        raw[index][:] = tensor_bytes(tensor)
-        check(index, raw[index], 0)
+def _transfers(snapshot: _Snapshot, raw: list[np.ndarray]) -> list[Transfer]:
+    """The snapshot's bytes, one transfer per eager tensor and per run of chunks in a staging slot."""
+    transfers = [Transfer(index, 0, tensor_bytes(tensor), raw[index]) for index, tensor in snapshot.eager.items()]
     for piece, slot, _ in snapshot.slots:
         staged = slot.numpy()
         for run in segment_runs(piece):
             first, last = run[0], run[-1]
-            copied = raw[first.tensor_index][first.src_offset : last.src_offset + last.nbytes]
-            copied[:] = staged[first.dst_offset : last.dst_offset + last.nbytes]
-            check(first.tensor_index, copied, first.src_offset)
-    return {e.key: t.view(torch_dtype(e.dtype, f"memory snapshot: tensor {e.key!r}")).reshape(e.shape)
-            for e, t in zip(entries, tensors)}
+            transfers.append(Transfer(first.tensor_index, first.src_offset,
+                                      staged[first.dst_offset : last.dst_offset + last.nbytes],
+                                      raw[first.tensor_index][first.src_offset : last.src_offset + last.nbytes]))
+    return transfers

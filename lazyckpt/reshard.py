@@ -182,8 +182,7 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
         CheckpointMismatchError: a target's key, dtype or global shape is not in the checkpoint.
     """
     rank = _this_rank() if rank is None else rank
-    _, leaves, _, _ = flatten(state)
-    targets = dict(leaves)
+    targets = tensor_targets(state)
     reader = CheckpointReader(*storage_for(path, storage, storage_options))
     own = rank < reader.world_size
     with ShardFiles(reader, verify=verify) as files:
@@ -205,6 +204,11 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
         loaded.update(files.consolidate(sorted(needed & set(files.index))))
         loaded.update({k: files.read_whole(rank, k) for k in sorted(needed - set(files.index))})
         return unflatten(tree, loaded, f"{reader.path}: rank {rank if own else 0}'s manifest")
+
+
+def tensor_targets(state: Any) -> dict[str, torch.Tensor]:
+    """The tensor leaves of a nested state, keyed as a checkpoint of that state names its tensors."""
+    return dict(flatten(state)[1])
 
 
 def _copy_whole(files: ShardFiles, rank: int, key: str, target: torch.Tensor) -> None:

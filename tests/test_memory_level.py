@@ -146,3 +146,65 @@ def test_a_failed_checkpoint_keeps_the_previous_snapshot(tmp_path, large):
         assert_tree_equal(state, expected)
         save_step(ckpt, model, opt, 3)
         assert ckpt.memory_snapshot()[0] == 3
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_snapshot_read_into_live_tensors_fills_them_in_place(tmp_path, large, threads):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        expected = clone_tree(big_state(model, opt, 1))
+        step(model, opt, seed=5)  # the live tensors move on
+        live = big_state(model, opt, 1)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got_step, state = ckpt.memory_snapshot(into=live)
+        finally:
+            torch.set_num_threads(before)
+    assert got_step == 1
+    assert_tree_equal(state, expected)
+    assert_tree_equal(snapshot(model, opt), {k: expected[k] for k in ("model", "opt")})
+    weight = live["model"]["2.weight"]
+    assert state["model"]["2.weight"] is weight and weight.data_ptr() == model[2].weight.data_ptr()
+    assert state["opt"]["state"][0]["exp_avg"] is opt.state[model[0].weight]["exp_avg"]
+
+
+def test_targets_that_do_not_fit_are_left_alone_and_come_back_fresh(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        expected = clone_tree(big_state(model, opt, 1))
+        live = big_state(model, opt, 1)
+        misfits = {"2.weight": torch.zeros(1536, 1536, dtype=torch.float64),   # another dtype
+                   "0.weight": torch.zeros(16, 1536).t(),                      # not contiguous
+                   "0.bias": torch.zeros(7)}                                  # another shape
+        live["model"].update(misfits)
+        untouched = clone_tree(misfits)
+        _, state = ckpt.memory_snapshot(into=live)
+    assert_tree_equal(state, expected)
+    assert_tree_equal(misfits, untouched)
+    assert all(state["model"][k] is not misfits[k] for k in misfits)
+    assert state["model"]["2.bias"] is live["model"]["2.bias"]
+
+
+def test_a_corrupt_chunk_read_into_live_tensors_raises(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        _, slot, _ = ckpt._memory._newest.slots[-1]
+        slot[100] ^= 0xFF
+        with pytest.raises(lazyckpt.CheckpointCorruptError, match="memory snapshot of step 1: tensor .* chunk"):
+            ckpt.memory_snapshot(into=big_state(model, opt, 1))
+
+
+def test_a_snapshot_not_before_the_given_step_is_not_read(tmp_path, large):
+    model, opt = large
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True) as ckpt:
+        save_step(ckpt, model, opt, 4)
+        step(model, opt, seed=5)
+        live = big_state(model, opt, 1)
+        untouched = clone_tree(live)
+        assert ckpt.memory_snapshot(into=live, before=4) is None
+        assert_tree_equal(live, untouched)
+        assert ckpt.memory_snapshot(before=5)[0] == 4

@@ -31,7 +31,7 @@ def state_of(model, opt, sched) -> dict:
     return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
 
 
-def train(dirpath, data, *, bad=(), keep_in_memory=True, max_rollbacks=3, every=EVERY):
+def train(dirpath, data, *, bad=(), keep_in_memory=True, max_rollbacks=3, every=EVERY, in_place=True):
     """The documented plain-PyTorch pattern; returns the final state and the rollbacks that happened."""
     model, opt, sched = fresh()
     rollbacks = []
@@ -46,7 +46,7 @@ def train(dirpath, data, *, bad=(), keep_in_memory=True, max_rollbacks=3, every=
             sched.step()
             opt.zero_grad()
             if is_nonfinite(loss):
-                restored = policy.roll_back(bad_step=step)
+                restored = policy.roll_back(bad_step=step, into=state_of(model, opt, sched) if in_place else None)
                 model.load_state_dict(restored.state["model"])
                 opt.load_state_dict(restored.state["opt"])
                 sched.load_state_dict(restored.state["sched"])
@@ -61,10 +61,11 @@ def reference(tmp_path, data, skipped: range):
     return train(tmp_path / "reference", kept)[0]
 
 
-@pytest.mark.parametrize("keep_in_memory, source", [(True, "memory"), (False, "disk")])
-def test_rollback_equals_a_run_that_never_saw_the_lost_batches(tmp_path, keep_in_memory, source):
+@pytest.mark.parametrize("keep_in_memory, source, in_place", [(True, "memory", True), (True, "memory", False),
+                                                              (False, "disk", True)])
+def test_rollback_equals_a_run_that_never_saw_the_lost_batches(tmp_path, keep_in_memory, source, in_place):
     data = batches(12)
-    final, rollbacks = train(tmp_path / "run", data, bad={5}, keep_in_memory=keep_in_memory)
+    final, rollbacks = train(tmp_path / "run", data, bad={5}, keep_in_memory=keep_in_memory, in_place=in_place)
     assert rollbacks == [(5, 3, source)]
     assert_tree_equal(final, reference(tmp_path, data, range(4, 6)))
 
@@ -132,7 +133,8 @@ def test_memory_stays_bounded_over_200_steps_with_rollbacks(tmp_path):
             opt.step()
             opt.zero_grad()
             if is_nonfinite(loss):
-                restored = policy.roll_back(bad_step=step).state
+                live = {"model": model.state_dict(), "opt": opt.state_dict()}
+                restored = policy.roll_back(bad_step=step, into=live).state
                 model.load_state_dict(restored["model"])
                 opt.load_state_dict(restored["opt"])
             elif step % 5 == 0:

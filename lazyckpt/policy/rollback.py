@@ -7,7 +7,8 @@ module decides *what*:
 * the snapshot of the bad step itself is discarded, in memory and on disk (:meth:`LazyCheckpointer.discard`
   fails it through the job's state machine and the lifecycle's discard, or removes it once committed);
 * the target is the newest snapshot taken strictly before the bad step: a request still in flight is finished
-  first, then the memory level is read (``keep_in_memory=True``), else the newest committed checkpoint on disk,
+  first, then the memory level is read (``keep_in_memory=True``; copied straight into the live tensors when the
+  adapter passes them), else the newest committed checkpoint on disk,
   else the state remembered when training started;
 * a run that keeps failing stops: more than ``max_rollbacks`` rollbacks without a newer good checkpoint in
   between raise :class:`~lazyckpt.errors.RollbackLimitError`.
@@ -16,7 +17,7 @@ Example (a plain PyTorch loop):
     >>> policy = RollbackPolicy(ckpt, max_rollbacks=3)                                   # doctest: +SKIP
     >>> policy.remember_start(0, {"model": model.state_dict(), "opt": opt.state_dict()})  # doctest: +SKIP
     >>> if is_nonfinite(loss):                                                           # doctest: +SKIP
-    ...     restored = policy.roll_back(bad_step=step)
+    ...     restored = policy.roll_back(bad_step=step, into={"model": model.state_dict(), "opt": opt.state_dict()})
     ...     model.load_state_dict(restored.state["model"]); opt.load_state_dict(restored.state["opt"])
 """
 
@@ -121,8 +122,12 @@ class RollbackPolicy:
         if self._start is not None and self.engine.stats:
             self._start = None
 
-    def roll_back(self, bad_step: int) -> Restored:
+    def roll_back(self, bad_step: int, *, into: Any = None) -> Restored:
         """Discard the snapshot of ``bad_step`` and return the newest good state before it.
+
+        ``into`` (optional) is the live state in the structure that was saved (tensors of the model and the
+        optimizers at its leaves): a memory snapshot is copied straight into its tensors where they match (see
+        :meth:`LazyCheckpointer.memory_snapshot`), so loading the returned state copies nothing more.
 
         Raises:
             RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
@@ -133,7 +138,7 @@ class RollbackPolicy:
         pending = self.engine.in_flight
         if pending is not None and pending.step < bad_step:
             pending.wait()  # the newest snapshot before the bad step: let it commit, then it is the target
-        restored = self._find(bad_step) if self.is_source else None
+        restored = self._find(bad_step, into) if self.is_source else None
         if self.share is not None:
             restored = self.share(restored)
         if restored is None:
@@ -144,9 +149,9 @@ class RollbackPolicy:
                        restored.step, restored.source)
         return restored
 
-    def _find(self, bad_step: int) -> Restored | None:
-        snapshot = self.engine.memory_snapshot()
-        if snapshot is not None and snapshot[0] < bad_step:
+    def _find(self, bad_step: int, into: Any) -> Restored | None:
+        snapshot = self.engine.memory_snapshot(into=into, before=bad_step)
+        if snapshot is not None:
             return Restored(snapshot[0], bad_step, "memory", snapshot[1])
         engine = self.engine
         before = {s: p for s, p in committed_steps(engine.dirpath, engine.storage).items() if s < bad_step}

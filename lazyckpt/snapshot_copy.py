@@ -1,0 +1,128 @@
+"""Copying a memory snapshot back: each chunk copied and checked in one pass, straight into the live tensors.
+
+Reading a snapshot back costs three passes over its bytes if done one after the other: copy into fresh tensors
+(which page-fault in), check the chunk checksums, and ``load_state_dict`` copies again into the model and
+optimizer. Here the destination of an entry is the caller's own tensor when one fits (found as
+:func:`lazyckpt.load_into` finds its targets: by the flattened key of a state with live tensors at its leaves),
+so the bytes land where they are used and ``load_state_dict`` of the result copies nothing; an entry without a
+fitting target gets a fresh tensor. Each 1 MiB chunk is checked right after it is copied, while its bytes are still
+in the CPU cache, on the thread that copied it; with more than one torch thread the chunks are spread over that
+many threads (numpy releases the GIL for the copy and the checksum).
+
+Example:
+    >>> dests = Destinations(job.entries, tensor_targets({"model": model.state_dict()}))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lazyckpt.checksum import CHUNK_BYTES, tensor_bytes
+from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError
+from lazyckpt.format import torch_dtype
+from lazyckpt.plan import TensorEntry
+from lazyckpt.reshard import target_block, tensor_targets
+from lazyckpt.tensor_io import check_chunks
+from lazyckpt.threads import limit_torch_threads_here
+
+TASK_BYTES = 8 * CHUNK_BYTES
+"""One unit of work handed to a thread: large enough that handing it over costs nothing next to its bytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """``source`` (bytes of entry ``index`` from ``start``, a chunk boundary) goes to ``dest`` and is checked."""
+
+    index: int
+    start: int
+    source: np.ndarray
+    dest: np.ndarray
+
+
+class Destinations:
+    """Where each entry's bytes land: the target tensor of the same key when it fits, else a fresh tensor."""
+
+    def __init__(self, entries: list[TensorEntry], targets: dict[str, torch.Tensor], where: str) -> None:
+        self.entries, self.where = entries, where
+        self.tensors: dict[str, torch.Tensor] = {}
+        """Per key, what the decoded state holds: the target itself, or a fresh tensor."""
+        self.raw: list[np.ndarray] = []
+        self.in_place = 0
+        """How many entries land in a target."""
+        for entry in entries:
+            target = _fitting(entry, targets.get(entry.key), where)
+            self.in_place += target is not None
+            tensor = target if target is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
+            self.raw.append(tensor_bytes(tensor) if target is not None else tensor.numpy())
+            self.tensors[entry.key] = target if target is not None else tensor.view(
+                torch_dtype(entry.dtype, f"{where}: tensor {entry.key!r}")).reshape(entry.shape)
+
+
+def _fitting(entry: TensorEntry, target: torch.Tensor | None, where: str) -> torch.Tensor | None:
+    """``target`` when the entry's bytes can be copied straight into it (a contiguous CPU tensor of the same
+    dtype and shape), else None: the entry then gets a fresh tensor, which ``load_state_dict`` converts."""
+    if target is None:
+        return None
+    try:
+        local, _ = target_block(entry.key, target, list(entry.shape))
+    except CheckpointMismatchError:
+        return None
+    dtype = torch_dtype(entry.dtype, f"{where}: tensor {entry.key!r}")
+    if local is not target or target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous():
+        return None
+    return target
+
+
+def copy_and_check(transfers: list[Transfer], entries: list[TensorEntry], checksums: dict[str, list[str]],
+                   where: str, threads: int) -> None:
+    """Copy every transfer and check each chunk right after its copy, on ``threads`` threads.
+
+    Raises:
+        CheckpointCorruptError: a chunk does not match its recorded checksum (the destinations before it may
+            already hold the snapshot's bytes), or the transfers miss a recorded chunk.
+    """
+    tasks = list(_tasks(transfers))
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            _run(task, entries, checksums, where)
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="lazyckpt-restore",
+                                initializer=limit_torch_threads_here) as pool:
+            for _ in pool.map(lambda task: _run(task, entries, checksums, where), tasks):
+                pass
+    copied = sum(-(-t.source.size // CHUNK_BYTES) for t in transfers)
+    recorded = sum(len(sums) for sums in checksums.values())
+    if copied != recorded:  # every recorded chunk must have been copied out and checked
+        raise CheckpointCorruptError(f"{where} is incomplete: {copied} of its {recorded} chunks are held in memory")
+
+
+def _tasks(transfers: list[Transfer]) -> Iterator[list[Transfer]]:
+    """Transfers grouped into about TASK_BYTES each (a transfer is never split across tasks)."""
+    task: list[Transfer] = []
+    size = 0
+    for transfer in transfers:
+        task.append(transfer)
+        size += transfer.source.size
+        if size >= TASK_BYTES:
+            yield task
+            task, size = [], 0
+    if task:
+        yield task
+
+
+def _run(task: list[Transfer], entries: list[TensorEntry], checksums: dict[str, list[str]], where: str) -> None:
+    for transfer in task:
+        key = entries[transfer.index].key
+        expected = checksums[key]
+        for offset in range(0, transfer.source.size, CHUNK_BYTES):
+            chunk = transfer.dest[offset : offset + CHUNK_BYTES]
+            chunk[:] = transfer.source[offset : offset + CHUNK_BYTES]
+            first = (transfer.start + offset) // CHUNK_BYTES
+            check_chunks(chunk, transfer.start + offset, expected[first : first + 1], where, key)
+
