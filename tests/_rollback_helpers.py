@@ -53,11 +53,11 @@ def fp16_plugin() -> MixedPrecision:
 
 
 def fit(dirpath, *, bad=(), bad_rank=None, skip=(), rollback: bool = True, devices: int = 1, callback_kwargs=None,
-        trainer_kwargs=None):
+        trainer_kwargs=None, module: type[NanAtModel] = NanAtModel):
     """Train one epoch; ``rollback=False`` runs without any checkpointing (the reference). Returns the trainer."""
     from lazyckpt.integrations.lightning import LazyCheckpoint
 
-    model = NanAtModel(tuple(bad), bad_rank, tuple(skip))
+    model = module(tuple(bad), bad_rank, tuple(skip))
     callbacks = []
     if rollback:
         options = {"every_n_train_steps": 3, "save_top_k": -1, "keep_in_memory": True,

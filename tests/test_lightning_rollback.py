@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 import lazyckpt
-from _rollback_helpers import final_state, fit, fp16_plugin
+from _rollback_helpers import NanAtModel, final_state, fit, fp16_plugin
 from conftest import assert_tree_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,6 +86,31 @@ def test_the_amp_grad_scaler_is_restored_with_fp16(tmp_path):
     reference = fit(tmp_path / "ref", skip=(4, 5), rollback=False, trainer_kwargs={"plugins": [fp16_plugin()]})
     assert trainer.precision_plugin.scaler.state_dict() == reference.precision_plugin.scaler.state_dict()
     assert_tree_equal(final_state(trainer), final_state(reference))
+
+
+class ManualNanAtModel(NanAtModel):
+    """The same run under manual optimization: ``training_step`` returns the loss it passed to manual_backward."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        return loss
+
+
+def test_manual_optimization_rolls_back_on_the_loss_training_step_returns(tmp_path):
+    with pytest.warns(RuntimeWarning, match="non-finite at step 5; rolled back to the snapshot of step 3"):
+        trainer = fit(tmp_path / "run", bad=[5], module=ManualNanAtModel)
+    reference = fit(tmp_path / "ref", skip=(4, 5), rollback=False, module=ManualNanAtModel)
+    assert_tree_equal(final_state(trainer), final_state(reference))
+    assert trainer.global_step == 12 and reference.global_step == 10
 
 
 def test_rollback_needs_the_full_training_state():
