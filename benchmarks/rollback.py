@@ -10,7 +10,8 @@ is nan" until model and optimizer hold the state of the newest checkpoint before
 * ``restart``: a new Python process that imports torch and lazyckpt, builds the model and optimizer, loads the
   newest checkpoint and ``load_state_dict``s it (what a manual restart costs at least, without any scheduler).
 
-It also reports the training stall per checkpoint (save + barrier wait) with and without ``keep_in_memory``, since
+``of it read`` is the part before ``load_state_dict`` (the policy's read of the target, checks included). It also
+reports the training stall per checkpoint (save + barrier wait) with and without ``keep_in_memory``, since
 keeping the snapshot must not change it. Every restored state is compared bit for bit with the checkpointed one.
 
 Usage:
@@ -70,12 +71,13 @@ def train(w: Workload, dirpath: str, *, keep_in_memory: bool, bad_step: int) -> 
         evict_from_page_cache(dirpath)
         started = time.monotonic()
         restored = policy.roll_back(bad_step=bad_step, into={"model": model.state_dict(), "opt": opt.state_dict()})
+        read_s = time.monotonic() - started
         model.load_state_dict(restored.state["model"])
         opt.load_state_dict(restored.state["opt"])
         rollback_s = time.monotonic() - started
         stalls = [s.stall_s for s in list(ckpt.stats)[1:] or ckpt.stats]  # the first one warms the pool and threads up
     problem = compare(normalize(model.state_dict(), opt.state_dict()["state"]), expected)
-    return {"rollback_s": rollback_s, "source": restored.source, "step": restored.step,
+    return {"rollback_s": rollback_s, "read_s": read_s, "source": restored.source, "step": restored.step,
             "stall_s": statistics.median(stalls), "verified": problem is None, "problem": problem,
             "state_mib": state_bytes(model, opt) / 2**20}
 
@@ -124,12 +126,14 @@ def _report(runs: dict[str, list], w: Workload, bad_step: int) -> None:
     state_mib = runs["memory"][0]["state_mib"]
     print(f"workload: {w.params_m:g}M parameters, {state_mib:.0f} MiB of state; checkpoint every {w.every} steps; "
           f"nan at step {bad_step}; medians of {len(runs['memory'])} repeats, torch threads {w.threads}")
-    print(f"{'path':10} {'rollback ms':>12} {'vs memory':>10} {'stall/ckpt ms':>14} verified")
+    print(f"{'path':10} {'rollback ms':>12} {'of it read':>11} {'vs memory':>10} {'stall/ckpt ms':>14} verified")
     for key in ("memory", "disk", "restart"):
         stall = statistics.median(r["stall_s"] for r in runs[key]) * 1e3 if "stall_s" in runs[key][0] else None
+        read = statistics.median(r["read_s"] for r in runs[key]) * 1e3 if "read_s" in runs[key][0] else None
         verified = all(r.get("verified", True) for r in runs[key])
-        print(f"{key:10} {med[key] * 1e3:12.1f} {med[key] / med['memory']:9.1f}x "
-              f"{'' if stall is None else f'{stall:14.1f}':>14} {'yes' if verified else 'NO'}")
+        print(f"{key:10} {med[key] * 1e3:12.1f} {'' if read is None else f'{read:11.1f}':>11} "
+              f"{med[key] / med['memory']:9.1f}x {'' if stall is None else f'{stall:14.1f}':>14} "
+              f"{'yes' if verified else 'NO'}")
 
 
 if __name__ == "__main__":

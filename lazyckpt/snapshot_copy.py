@@ -29,10 +29,12 @@ from lazyckpt.format import torch_dtype
 from lazyckpt.plan import TensorEntry
 from lazyckpt.reshard import target_block, tensor_targets
 from lazyckpt.tensor_io import check_chunks
-from lazyckpt.threads import limit_torch_threads_here
 
 TASK_BYTES = 8 * CHUNK_BYTES
 """One unit of work handed to a thread: large enough that handing it over costs nothing next to its bytes."""
+PARALLEL_MIN_BYTES = 32 * CHUNK_BYTES
+"""Below this a snapshot is copied on the calling thread: starting threads (1-20 ms on a loaded 2-core machine)
+would cost about what they save."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +90,12 @@ def copy_and_check(transfers: list[Transfer], entries: list[TensorEntry], checks
             already hold the snapshot's bytes), or the transfers miss a recorded chunk.
     """
     tasks = list(_tasks(transfers))
-    if threads <= 1 or len(tasks) <= 1:
+    if threads <= 1 or sum(t.source.size for t in transfers) < PARALLEL_MIN_BYTES:
         for task in tasks:
             _run(task, entries, checksums, where)
     else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="lazyckpt-restore",
-                                initializer=limit_torch_threads_here) as pool:
+        # The workers run numpy only (no torch op, so no OpenMP team to limit) and live for this call.
+        with ThreadPoolExecutor(threads, thread_name_prefix="lazyckpt-restore") as pool:
             for _ in pool.map(lambda task: _run(task, entries, checksums, where), tasks):
                 pass
     copied = sum(-(-t.source.size // CHUNK_BYTES) for t in transfers)
