@@ -10,7 +10,8 @@ in the CPU cache, on the thread that copied it; with more than one torch thread 
 many threads (numpy releases the GIL for the copy and the checksum).
 
 Example:
-    >>> dests = Destinations(job.entries, tensor_targets({"model": model.state_dict()}))   # doctest: +SKIP
+    >>> dests = Destinations(job.entries, tensor_targets({"model": model.state_dict()}), "snapshot")  # doctest: +SKIP
+    >>> copy_and_check(transfers, job.entries, job.checksums, "snapshot", threads=2)               # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from lazyckpt.checksum import CHUNK_BYTES, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError
 from lazyckpt.format import torch_dtype
 from lazyckpt.plan import TensorEntry
-from lazyckpt.reshard import target_block, tensor_targets
+from lazyckpt.reshard import target_block
 from lazyckpt.tensor_io import check_chunks
 
 TASK_BYTES = 8 * CHUNK_BYTES
@@ -51,19 +51,19 @@ class Destinations:
     """Where each entry's bytes land: the target tensor of the same key when it fits, else a fresh tensor."""
 
     def __init__(self, entries: list[TensorEntry], targets: dict[str, torch.Tensor], where: str) -> None:
-        self.entries, self.where = entries, where
         self.tensors: dict[str, torch.Tensor] = {}
         """Per key, what the decoded state holds: the target itself, or a fresh tensor."""
         self.raw: list[np.ndarray] = []
-        self.in_place = 0
-        """How many entries land in a target."""
         for entry in entries:
             target = _fitting(entry, targets.get(entry.key), where)
-            self.in_place += target is not None
-            tensor = target if target is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
-            self.raw.append(tensor_bytes(tensor) if target is not None else tensor.numpy())
-            self.tensors[entry.key] = target if target is not None else tensor.view(
-                torch_dtype(entry.dtype, f"{where}: tensor {entry.key!r}")).reshape(entry.shape)
+            if target is not None:
+                self.raw.append(tensor_bytes(target))
+                self.tensors[entry.key] = target
+            else:
+                fresh = torch.empty(entry.nbytes, dtype=torch.uint8)
+                self.raw.append(fresh.numpy())  # a numpy slice assignment is a plain memcpy
+                dtype = torch_dtype(entry.dtype, f"{where}: tensor {entry.key!r}")
+                self.tensors[entry.key] = fresh.view(dtype).reshape(entry.shape)
 
 
 def _fitting(entry: TensorEntry, target: torch.Tensor | None, where: str) -> torch.Tensor | None:
