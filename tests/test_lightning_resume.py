@@ -88,3 +88,18 @@ def test_ddp_on_cpu_splits_the_replicated_state_across_ranks_and_resumes_bit_exa
         assert torch.equal(tensor, rank1["state_dict"][key]), key
     _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
+
+
+def test_model_parallel_fsdp2_on_cpu_writes_each_rank_its_shards_and_resumes_bit_exact(tmp_path):
+    args = ("--devices", 2, "--max-epochs", 3, "--strategy", "model_parallel")  # FSDP2 over 2 gloo ranks
+    _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, *args, "--crash-at", 8, expect_rc=17)
+    assert _committed(crashed) == ["step-0000004"]
+    step_dir = crashed / "step-0000004"
+    sizes = [os.path.getsize(step_dir / f"rank-0000{r}-of-00002.safetensors") for r in (0, 1)]
+    assert min(sizes) > 0.25 * sum(sizes)  # each rank wrote its own shards
+    whole = lazyckpt.load(step_dir)["state_dict"]  # consolidated in this process, no process group
+    assert whole["head.weight"].shape == (2, 16)
+    _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)

@@ -133,7 +133,9 @@ def _session_in_a_group(rank, world_size, dirpath):
     layers = {f"layer{i}": torch.full((256,), float(i)) for i in range(4)}  # the same on every rank (DDP)
     session = CheckpointSession(dirpath, options(engine={"fsync": False, "commit_timeout_s": 60}), rank=rank,
                                 world_size=world_size)
-    pending = session.save(3, replicated=lambda: {"model": layers}, per_rank={"rng": torch.tensor([rank])},
+    statistics = torch.full((8,), float(rank))  # a buffer nothing synchronizes (BatchNorm under FSDP2)
+    pending = session.save(3, replicated=lambda: {"model": layers, "stats": statistics},
+                           per_rank={"rng": torch.tensor([rank])},
                            immutable=list(layers.values()))
     session.barrier()
     assert pending.wait() is not None
@@ -144,11 +146,12 @@ def _session_in_a_group(rank, world_size, dirpath):
     assert len(written) == 4 // world_size  # written once in total, split across the ranks by bytes
     loaded = lazyckpt.load(step_dir, rank=rank)
     assert torch.equal(loaded["rng"], torch.tensor([rank]))  # per-rank values come back to their rank
+    assert torch.equal(loaded["stats"], statistics)  # so do tensors outside the optimizers and immutable ones
     for name, tensor in layers.items():
         assert torch.equal(loaded["model"][name], tensor), name
 
 
-def test_in_a_process_group_replicated_values_are_split_across_ranks_and_per_rank_ones_come_back(tmp_path):
+def test_in_a_process_group_synchronized_tensors_are_split_across_ranks_and_the_rest_come_back_per_rank(tmp_path):
     run_ranks(_session_in_a_group, 2, str(tmp_path))
 
 

@@ -31,6 +31,7 @@ from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
 from lazyckpt.remote.urls import is_url
 from lazyckpt.rendezvous import default_store
@@ -122,7 +123,9 @@ class CheckpointSession:
 
         ``replicated`` values are the same on every rank (a DDP model, its optimizer): inside a process group
         they are written once in total, each rank writing its share by bytes (every rank passes them, so every
-        rank must call this for the same steps); without a group rank 0 alone writes them. Their ``optimizers``
+        rank must call this for the same steps); without a group rank 0 alone writes them. Only the tensors of
+        ``optimizers`` and ``immutable`` are known to agree across ranks: other tensors (buffers, metrics) are
+        kept per rank (:mod:`lazyckpt.policy.replicas`). Their ``optimizers``
         and ``immutable`` tensors are copied lazily. Every rank's ``per_rank`` values (RNG states, loader
         positions) are :class:`~lazyckpt.PerRank`: they come back to the same rank. ``replicated`` may be a
         function: without a group only rank 0 builds it.
@@ -145,13 +148,14 @@ class CheckpointSession:
                     per_rank: Mapping[str, Any], optimizers: Iterable[torch.optim.Optimizer],
                     immutable: Iterable[Any]) -> tuple[dict[str, Any], list[Any], list[Any]]:
         """What this rank passes to the engine: all of it in a group, else the replicated part on rank 0 only."""
+        optimizers, immutable = list(optimizers), list(immutable)
         if self._store is not None:
             shared = replicated() if callable(replicated) else replicated
-            return ({**shared, **{key: PerRank(value) for key, value in per_rank.items()}},
-                    list(optimizers), list(immutable))
+            shared = keep_unsynchronized_per_rank(shared, synchronized_storages(optimizers, immutable))
+            return {**shared, **{key: PerRank(value) for key, value in per_rank.items()}}, optimizers, immutable
         if self.rank == 0:
             shared = replicated() if callable(replicated) else replicated
-            return {**shared, **per_rank}, list(optimizers), list(immutable)
+            return {**shared, **per_rank}, optimizers, immutable
         return dict(per_rank), [], []
 
     def barrier(self) -> None:
