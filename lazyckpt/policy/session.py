@@ -63,8 +63,10 @@ class CheckpointSession:
         self.rank = rank
         arguments = options.engine_arguments(rank=rank, world_size=world_size, retention=engine_retention)
         # With the process group's store the ranks save one global state: the engine splits the replicated
-        # tensors across ranks by bytes. Without one (no group), rank 0 writes the replicated state itself.
-        self._store = default_store() if world_size > 1 else None
+        # tensors across ranks by bytes. Without one (no group), rank 0 writes the replicated state itself; so it
+        # does with keep_in_memory, whose host copy (what a rollback restores from rank 0) is what each rank wrote.
+        split = world_size > 1 and not options.engine.get("keep_in_memory", False)
+        self._store = default_store() if split else None
         self.engine = LazyCheckpointer(self.dirpath, store=self._store, **arguments)
         self._stalls: dict[int, float] = {}
         self._awaiting_barrier: int | None = None
