@@ -1,7 +1,8 @@
 """What ``LazyCheckpointHook`` reads from and restores into the objects an ``Accelerator`` prepared.
 
 Every process writes its own RNG states and loader positions; the models, optimizers, schedulers, scaler and
-registered objects are replicated, so process 0 alone writes them (``CheckpointSession.save`` decides that).
+registered objects are replicated, so they are written once, split across the processes
+(``CheckpointSession.save`` decides that).
 """
 
 from __future__ import annotations

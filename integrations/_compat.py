@@ -21,20 +21,26 @@ from typing import Any
 
 # --- Lightning ------------------------------------------------------------------------------------------------
 
-_REFUSED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+_REFUSED = ("FSDPStrategy", "DeepSpeedStrategy")
+_SUPPORTED = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
 
 
 def refuse_unsupported_strategy(namespace: str, strategy: Any) -> None:
-    """Raise unless ``strategy`` is a single device or DDP: FSDP, DeepSpeed and ModelParallel save sharded
-    collectives that bypass the CheckpointIO and the snapshot path."""
+    """Raise unless ``strategy`` is a single device, DDP or ModelParallel (FSDP2 / tensor parallel, whose state
+    dicts hold DTensors): FSDP and DeepSpeed save sharded collectives that bypass the snapshot path."""
     strategies = importlib.import_module(f"{namespace}.strategies")
     refused = tuple(getattr(strategies, n) for n in _REFUSED if hasattr(strategies, n))
-    if isinstance(strategy, refused) or not isinstance(strategy, (strategies.SingleDeviceStrategy,
-                                                                   strategies.DDPStrategy)):
+    supported = tuple(getattr(strategies, n) for n in _SUPPORTED if hasattr(strategies, n))
+    if isinstance(strategy, refused) or not isinstance(strategy, supported):
         raise NotImplementedError(
-            f"LazyCheckpoint does not support {type(strategy).__name__} yet: FSDP, DeepSpeed and ModelParallel "
-            "checkpoints are sharded collectives that bypass its snapshot path. Supported: a single device "
-            "(strategy='auto') and DDP (strategy='ddp'). Use ModelCheckpoint with those strategies.")
+            f"LazyCheckpoint does not support {type(strategy).__name__} yet: FSDP and DeepSpeed checkpoints are "
+            "sharded collectives that bypass its snapshot path. Supported: a single device (strategy='auto'), DDP "
+            "(strategy='ddp') and ModelParallelStrategy (FSDP2 / tensor parallel). Use ModelCheckpoint with others.")
+
+
+def loads_checkpoints_itself(strategy: Any) -> bool:
+    """ModelParallelStrategy loads in ``strategy.load_checkpoint``, never through its CheckpointIO."""
+    return type(strategy).__name__ == "ModelParallelStrategy"
 
 
 def resolve_checkpoint_dir(callback: Any, trainer: Any) -> Any:

@@ -25,7 +25,7 @@ from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, Engi
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
-from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng
+from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads
 from ._lightning_rollback import LightningRollback
 
 
@@ -124,6 +124,7 @@ class LazyCheckpointMixin:
         super().setup(trainer, pl_module, stage)
         self._trainer_ref = weakref.ref(trainer)
         self._io_class.install(trainer, owner=self)
+        route_sharded_loads(trainer.strategy)
         self.wait_at_epoch_start = self._barrier.install(trainer, self._namespace)
         if stage == "fit":
             check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later

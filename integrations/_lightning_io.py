@@ -25,7 +25,8 @@ import torch
 import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, StepAlreadyCommittedError
-from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
+from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng,
+                             restore_sharded)
 from lazyckpt.plain import weights_only_safe
 
 from . import _compat
@@ -154,6 +155,23 @@ def restore_train_rng(trainer: Any, rng: dict[str, Any]) -> None:
     restore_rng(rng, find_generators(loaders, "train"))
     if not any(callable(getattr(dl, "load_state_dict", None)) for dl in loaders):
         _compat.restart_train_iterator(trainer)
+
+
+def route_sharded_loads(strategy: Any) -> None:
+    """Make ``strategy.load_checkpoint`` restore lazyckpt checkpoints, resharded, when the strategy loads them
+    itself instead of through its CheckpointIO (ModelParallelStrategy); other paths keep its own loader."""
+    if not _compat.loads_checkpoints_itself(strategy) or getattr(strategy, "_lazyckpt_routed", False):
+        return
+    own = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = local_path(strategy.broadcast(checkpoint_path))
+        if not is_lazyckpt_path(path):
+            return own(checkpoint_path, weights_only=weights_only)
+        return restore_sharded(_check_committed(path), strategy.model, strategy.optimizers,
+                               model_key="state_dict", optimizers_key="optimizer_states")
+
+    strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
 
 
 def request_snapshot(session: CheckpointSession, trainer: Any, step: int, *,

@@ -60,6 +60,14 @@ def make_module_class(pl):
                 sched.step()
             return loss
 
+        def configure_model(self):
+            mesh = getattr(self, "device_mesh", None)
+            if mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
+                from torch.distributed.fsdp import fully_shard
+
+                for module in (self.frozen, self.net, self.head):
+                    fully_shard(module, mesh=mesh["data_parallel"])
+
         def validation_step(self, batch, batch_idx):
             x, y = batch
             self.log("val_loss", nn.functional.cross_entropy(self(x), y))
@@ -131,6 +139,13 @@ def make_crash_callback(pl, crash_at: int):
 
 
 def final_state(model, trainer) -> dict:
+    """The full model and optimizer state (collective under ModelParallelStrategy: every rank calls it)."""
+    if getattr(model, "device_mesh", None) is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        full, optimizers = get_state_dict(model, trainer.optimizers, options=StateDictOptions(full_state_dict=True))
+        return {"model": full, "optimizers": optimizers if isinstance(optimizers, list) else [optimizers],
+                "global_step": trainer.global_step, "losses": list(model.losses)}
     return {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizers": [o.state_dict() for o in trainer.optimizers],
             "global_step": trainer.global_step, "losses": list(model.losses)}
@@ -148,11 +163,17 @@ def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: 
     callbacks = [callback] + ([make_crash_callback(pl, crash_at)] if crash_at is not None else [])
     kwargs = dict(max_epochs=max_epochs, max_steps=max_steps, callbacks=callbacks, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  accelerator="cpu", devices=devices, strategy=strategy if devices > 1 else "auto")
+                  accelerator="cpu", devices=devices, strategy=_strategy(pl, strategy, devices))
     kwargs.update(trainer_kwargs or {})
     trainer = pl.Trainer(**kwargs)
     trainer.fit(model, ckpt_path=resume)
     return trainer, model, callback
+
+
+def _strategy(pl, name: str, devices: int):
+    if name == "model_parallel":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return name if devices > 1 else "auto"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
                             model_kwargs={"stateful_loader": args.stateful_loader})
+    state = final_state(model, trainer) if args.out else None
     if args.out and trainer.is_global_zero:
-        torch.save(final_state(model, trainer), args.out)
+        torch.save(state, args.out)
 
 
 if __name__ == "__main__":

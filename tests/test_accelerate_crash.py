@@ -153,6 +153,8 @@ def test_two_processes_save_crash_and_resume_bit_exact_under_accelerate_launch(t
     assert sorted(p.name for p in newest.iterdir()) == [
         "manifest.json", "rank-00000-of-00002.safetensors", "rank-00000.json", "rank-00001-of-00002.safetensors",
         "rank-00001.json"]
+    sizes = [(newest / f"rank-0000{r}-of-00002.safetensors").stat().st_size for r in (0, 1)]
+    assert min(sizes) > 0.25 * sum(sizes)  # the replicated model and optimizer are split, not all on rank 0
     check(run_script(tmp_path, "resumed", "--dirpath", str(ckpt), processes=2))
     for rank in (0, 1):
         resumed = final(tmp_path, "resumed", rank)

@@ -70,7 +70,7 @@ def test_mid_epoch_resume_is_bit_exact_with_a_stateful_loader(tmp_path):
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=15)
 
 
-def test_ddp_on_cpu_saves_one_file_per_rank_and_resumes_bit_exact(tmp_path):
+def test_ddp_on_cpu_splits_the_replicated_state_across_ranks_and_resumes_bit_exact(tmp_path):
     args = ("--devices", 2, "--max-epochs", 3)  # 64 samples, 2 ranks, batch 8: 4 steps per epoch
     _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
     crashed = tmp_path / "crashed"
@@ -79,7 +79,27 @@ def test_ddp_on_cpu_saves_one_file_per_rank_and_resumes_bit_exact(tmp_path):
     files = sorted(os.listdir(crashed / "step-0000004"))
     assert files == ["manifest.json", "rank-00000-of-00002.safetensors", "rank-00000.json",
                      "rank-00001-of-00002.safetensors", "rank-00001.json"]
-    rank1 = lazyckpt.load(crashed / "step-0000004", rank=1)
-    assert set(rank1) == {"lazyckpt"} and rank1["lazyckpt"]["rank"] == 1  # rank 1 writes only its RNG states
+    step_dir = crashed / "step-0000004"
+    sizes = [os.path.getsize(step_dir / f"rank-0000{r}-of-00002.safetensors") for r in (0, 1)]
+    assert min(sizes) > 0.25 * sum(sizes)  # the replicated model and optimizer are split, not all on rank 0
+    rank0, rank1 = (lazyckpt.load(step_dir, rank=r) for r in (0, 1))
+    assert rank1["lazyckpt"]["rank"] == 1 and rank0["lazyckpt"]["rank"] == 0  # RNG states come back per rank
+    for key, tensor in rank0["state_dict"].items():  # every rank reads the whole replicated state
+        assert torch.equal(tensor, rank1["state_dict"][key]), key
+    _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
+
+
+def test_model_parallel_fsdp2_on_cpu_writes_each_rank_its_shards_and_resumes_bit_exact(tmp_path):
+    args = ("--devices", 2, "--max-epochs", 3, "--strategy", "model_parallel")  # FSDP2 over 2 gloo ranks
+    _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, *args, "--crash-at", 8, expect_rc=17)
+    assert _committed(crashed) == ["step-0000004"]
+    step_dir = crashed / "step-0000004"
+    sizes = [os.path.getsize(step_dir / f"rank-0000{r}-of-00002.safetensors") for r in (0, 1)]
+    assert min(sizes) > 0.25 * sum(sizes)  # each rank wrote its own shards
+    whole = lazyckpt.load(step_dir)["state_dict"]  # consolidated in this process, no process group
+    assert whole["head.weight"].shape == (2, 16)
     _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)

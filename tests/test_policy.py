@@ -3,6 +3,7 @@ generators, which rank writes what, and retention with named steps."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -13,6 +14,7 @@ import torch
 import lazyckpt
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, RunLayout, SessionOptions, StepCounter, capture_rng,
                              check_fits, find_generators, restore_rng)
+from _distributed import run_ranks
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage
 
@@ -105,7 +107,7 @@ def test_rng_states_round_trip_bit_exact_and_in_a_weights_only_form(tmp_path):
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
 
 
-def test_rank_zero_writes_replicated_values_and_every_rank_its_own(tmp_path):
+def test_without_a_process_group_rank_zero_writes_replicated_values_and_every_rank_its_own(tmp_path):
     weight = torch.arange(4.0)
     built = []
 
@@ -125,6 +127,32 @@ def test_rank_zero_writes_replicated_values_and_every_rank_its_own(tmp_path):
     assert torch.equal(lazyckpt.load(tmp_path / "step-0000005")["model"]["w"], weight)
     assert lazyckpt.load(tmp_path / "step-0000005", rank=1) == {"rank": 1}
     assert sorted(sessions[0].stalls) == sorted(sessions[1].stalls) == [5]
+
+
+def _session_in_a_group(rank, world_size, dirpath):
+    layers = {f"layer{i}": torch.full((256,), float(i)) for i in range(4)}  # the same on every rank (DDP)
+    session = CheckpointSession(dirpath, options(engine={"fsync": False, "commit_timeout_s": 60}), rank=rank,
+                                world_size=world_size)
+    statistics = torch.full((8,), float(rank))  # a buffer nothing synchronizes (BatchNorm under FSDP2)
+    pending = session.save(3, replicated=lambda: {"model": layers, "stats": statistics},
+                           per_rank={"rng": torch.tensor([rank])},
+                           immutable=list(layers.values()))
+    session.barrier()
+    assert pending.wait() is not None
+    session.close()
+    step_dir = os.path.join(dirpath, "step-0000003")
+    with open(os.path.join(step_dir, f"rank-{rank:05d}.json")) as f:
+        written = [key for key, t in json.load(f)["tensors"].items() if t["box"] is not None]
+    assert len(written) == 4 // world_size  # written once in total, split across the ranks by bytes
+    loaded = lazyckpt.load(step_dir, rank=rank)
+    assert torch.equal(loaded["rng"], torch.tensor([rank]))  # per-rank values come back to their rank
+    assert torch.equal(loaded["stats"], statistics)  # so do tensors outside the optimizers and immutable ones
+    for name, tensor in layers.items():
+        assert torch.equal(loaded["model"][name], tensor), name
+
+
+def test_in_a_process_group_synchronized_tensors_are_split_across_ranks_and_the_rest_come_back_per_rank(tmp_path):
+    run_ranks(_session_in_a_group, 2, str(tmp_path))
 
 
 def test_retention_keeps_what_is_protected_kept_by_recency_or_just_committed():

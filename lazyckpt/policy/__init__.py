@@ -15,6 +15,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :func:`run_summary` at the end of a run; :func:`falling_behind`: the write cannot keep up |
+| ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded |
 | ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
 | ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
 """
@@ -30,10 +31,11 @@ from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
+from lazyckpt.policy.sharded import restore_sharded
 from lazyckpt.policy.steps import StepCounter
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "Restored", "RollbackPolicy",
            "RunLayout", "SessionOptions", "StepCounter", "StepVote", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "run_summary", "summary_line",
-           "url_dirpath_levels"]
+           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "restore_sharded", "run_summary",
+           "summary_line", "url_dirpath_levels"]

@@ -31,9 +31,12 @@ from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
 from lazyckpt.remote.urls import is_url
+from lazyckpt.rendezvous import default_store
 from lazyckpt.retention import committed_steps, steps_to_purge
+from lazyckpt.sharding import PerRank
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -59,9 +62,12 @@ class CheckpointSession:
         self.options = options
         self.rank = rank
         arguments = options.engine_arguments(rank=rank, world_size=world_size, retention=engine_retention)
-        # store=None: the session itself decides who writes what (rank 0 the replicated state, every rank its
-        # per-rank values), so the ranks meet through the shared directory as separate states.
-        self.engine = LazyCheckpointer(self.dirpath, store=None, **arguments)
+        # With the process group's store the ranks save one global state: the engine splits the replicated
+        # tensors across ranks by bytes. Without one (no group), rank 0 writes the replicated state itself; so it
+        # does with keep_in_memory, whose host copy (what a rollback restores from rank 0) is what each rank wrote.
+        split = world_size > 1 and not options.engine.get("keep_in_memory", False)
+        self._store = default_store() if split else None
+        self.engine = LazyCheckpointer(self.dirpath, store=self._store, **arguments)
         self._stalls: dict[int, float] = {}
         self._awaiting_barrier: int | None = None
         self._world_size = world_size
@@ -117,10 +123,14 @@ class CheckpointSession:
              started: float | None = None) -> PendingCheckpoint:
         """Request the checkpoint of ``step`` on this rank.
 
-        ``replicated`` values are the same on every rank (a DDP model, its optimizer), so rank 0 alone writes them,
-        with their ``optimizers`` and ``immutable`` tensors copied lazily; every rank writes its ``per_rank`` values
-        (RNG states, loader positions) into its own file of the same checkpoint. ``replicated`` may be a function:
-        then only rank 0 builds it.
+        ``replicated`` values are the same on every rank (a DDP model, its optimizer): inside a process group
+        they are written once in total, each rank writing its share by bytes (every rank passes them, so every
+        rank must call this for the same steps); without a group rank 0 alone writes them. Only the tensors of
+        ``optimizers`` and ``immutable`` are known to agree across ranks: other tensors (buffers, metrics) are
+        kept per rank (:mod:`lazyckpt.policy.replicas`). Their ``optimizers``
+        and ``immutable`` tensors are copied lazily. Every rank's ``per_rank`` values (RNG states, loader
+        positions) are :class:`~lazyckpt.PerRank`: they come back to the same rank. ``replicated`` may be a
+        function: without a group only rank 0 builds it.
 
         Args:
             started: when capturing this checkpoint began (``time.monotonic()``), if before this call; that time
@@ -129,16 +139,26 @@ class CheckpointSession:
         if self._last is not None and self._last.step == step:
             return self._last  # a second integration sharing this session asks for the step already requested
         started = time.monotonic() if started is None else started
-        if self.rank == 0:
-            shared = replicated() if callable(replicated) else replicated
-            state, optimizers, immutable = {**shared, **per_rank}, list(optimizers), list(immutable)
-        else:
-            state, optimizers, immutable = dict(per_rank), [], []
+        state, optimizers, immutable = self._rank_state(replicated, per_rank, optimizers, immutable)
         pending = self._last = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
         if not pending.skipped:
             self._awaiting_barrier = step
             self._add_stall(step, time.monotonic() - started)
         return pending
+
+    def _rank_state(self, replicated: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+                    per_rank: Mapping[str, Any], optimizers: Iterable[torch.optim.Optimizer],
+                    immutable: Iterable[Any]) -> tuple[dict[str, Any], list[Any], list[Any]]:
+        """What this rank passes to the engine: all of it in a group, else the replicated part on rank 0 only."""
+        optimizers, immutable = list(optimizers), list(immutable)
+        if self._store is not None:
+            shared = replicated() if callable(replicated) else replicated
+            shared = keep_unsynchronized_per_rank(shared, synchronized_storages(optimizers, immutable))
+            return {**shared, **{key: PerRank(value) for key, value in per_rank.items()}}, optimizers, immutable
+        if self.rank == 0:
+            shared = replicated() if callable(replicated) else replicated
+            return {**shared, **per_rank}, optimizers, immutable
+        return dict(per_rank), [], []
 
     def barrier(self) -> None:
         """Return once the in-flight snapshot no longer reads the live tensors (right before an update)."""
