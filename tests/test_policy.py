@@ -244,3 +244,62 @@ def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warn
     assert (message is not None) == warns
     if warns:
         assert "10.0 ms to 50.0 ms" in message and "host_buffer_bytes" in message and "interval" in message
+
+
+def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a_bounded_log():
+    from lazyckpt.policy import RunFeedback
+    from lazyckpt.stats import CheckpointStats, StatsLog
+
+    feedback = RunFeedback()
+    feedback.announce(2, "saved 'last.ckpt'")
+    assert feedback.committed(1, CheckpointStats(step=1, save_s=0.01, flush_s=1.0)) == []
+    with pytest.warns(RuntimeWarning, match="falling behind"):
+        for step, stall in ((2, 0.02), (3, 0.05)):
+            announced = feedback.committed(step, CheckpointStats(step=step, save_s=stall, flush_s=1.0))
+            assert announced == (["saved 'last.ckpt'"] if step == 2 else [])
+    feedback.committed(4, CheckpointStats(step=4, save_s=0.2, flush_s=1.0))  # still growing: no second warning
+    assert feedback.committed(2, None) == [] and len(feedback.stats) == 4
+
+    log, follower = StatsLog(window=2), RunFeedback()
+    for step in range(1, 6):
+        log.append(CheckpointStats(step=step, save_s=0.001, flush_s=0.1))
+        if step in (1, 5):  # between the calls the window dropped steps 2 and 3: they are not invented
+            follower.follow(log, log.total.count)
+    assert [s.step for s in follower.stats] == [1, 4, 5]
+    lines = []
+    assert follower.finish(lines.append)["lazyckpt/checkpoints"] == 3 and lines[0].startswith("lazyckpt: 3 ")
+
+
+def test_step_requests_issue_a_capture_once_drop_a_bad_one_and_restart_after_a_restore():
+    from types import SimpleNamespace
+
+    from lazyckpt.policy import StepRequests
+
+    requests, saved = StepRequests(), []
+    save = lambda captured: saved.append(captured.step) or f"handle {captured.step}"  # noqa: E731
+    assert requests.issue(save) is None and saved == []
+    requests.capture(SimpleNamespace(step=3))
+    assert requests.issue(save) == "handle 3" == requests.issue(save) and saved == [3]
+    requests.capture_unless_requested(3, lambda step: SimpleNamespace(step=step))  # step 3 was requested
+    requests.capture_unless_requested(4, lambda step: SimpleNamespace(step=step))
+    requests.drop(4)
+    assert requests.issue(save) == "handle 3" and saved == [3]
+    requests.restart(7)
+    requests.capture_unless_requested(7, lambda step: SimpleNamespace(step=step))
+    assert requests.issue(save) is None and saved == [3]
+
+
+def test_resume_target_is_none_without_a_directory_and_the_newest_of_both_kinds_otherwise(tmp_path):
+    from lazyckpt.policy import resume_target
+
+    opts = options()
+    assert resume_target(os.fspath(tmp_path / "missing"), opts) is None
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(2)}, step=1).wait()
+    other = tmp_path / "last.ckpt"
+    other.write_bytes(b"a Lightning file")
+    old = os.stat(tmp_path / "step-0000001" / "manifest.json").st_mtime
+    os.utime(other, (old - 10, old - 10))
+    assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]).endswith("step-0000001")
+    os.utime(other, (old + 10, old + 10))
+    assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]) == os.fspath(other)

@@ -8,34 +8,34 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 |---|---|
 | ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings |
 | ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
-| ``steps`` | :class:`StepCounter`: steps from optimizer updates, and when a checkpoint is due |
+| ``steps`` | :class:`StepCounter`: steps from optimizer updates, when a checkpoint is due; :class:`StepRequests` |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders |
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
-| ``feedback`` | :func:`run_summary` at the end of a run; :func:`falling_behind`: the write cannot keep up |
+| ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed |
 | ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded |
-| ``resume`` | :func:`newest_checkpoint`: "last" among lazyckpt checkpoints and another tool's files |
+| ``resume`` | :func:`resume_target`: "last" among both levels, lazyckpt checkpoints and another tool's files |
 | ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
 """
 
 from __future__ import annotations
 
-from lazyckpt.policy.feedback import falling_behind, run_summary, summary_line
+from lazyckpt.policy.feedback import RunFeedback, falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
-from lazyckpt.policy.resume import newest_checkpoint
+from lazyckpt.policy.resume import newest_checkpoint, resume_target
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.sharded import restore_sharded
-from lazyckpt.policy.steps import StepCounter
+from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "Restored", "RollbackPolicy",
-           "RunLayout", "SessionOptions", "StepCounter", "StepVote", "capture_rng", "check_fits",
-           "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng", "restore_sharded", "run_summary",
-           "summary_line", "url_dirpath_levels"]
+           "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote", "capture_rng",
+           "check_fits", "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind",
+           "find_generators", "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng",
+           "restore_sharded", "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]

@@ -1,16 +1,19 @@
-"""What a run learns about its checkpoints: a summary at the end (count, stalls, time to durable, bytes) and a
-warning when the background write cannot keep up with the checkpoint interval.
+"""What a run learns about its checkpoints: a summary at the end (count, stalls, time to durable, bytes), a
+warning when the background write cannot keep up with the checkpoint interval, and "saved" messages that wait for
+their checkpoint's commit. :class:`RunFeedback` is what an integration holds; the functions are its pieces.
 
 Example:
-    >>> summary = run_summary(callback.stats)                     # doctest: +SKIP
-    >>> print(summary_line(summary))                               # doctest: +SKIP
+    >>> feedback = RunFeedback()                                  # doctest: +SKIP
+    >>> feedback.committed(stats)     # after each commit: warns once when the write falls behind  # doctest: +SKIP
+    >>> metrics = feedback.finish(print)    # one line; metrics for the loggers   # doctest: +SKIP
     lazyckpt: 12 checkpoints committed, stall median 4.1 ms / max 9.8 ms, durable after 1.20 s (median), 1.3 GB written
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 from lazyckpt.stats import CheckpointStats
 
@@ -52,3 +55,46 @@ def falling_behind(stats: Sequence[CheckpointStats]) -> str | None:
             f"{1e3 * recent[0]:.1f} ms to {1e3 * recent[-1]:.1f} ms over the last {GROWING_RUN} checkpoints (each "
             f"takes {durable:.2f} s to become durable). Checkpoint less often (a longer interval), raise "
             "host_buffer_bytes so copies do not wait for the writer, or write to faster storage")
+
+
+class RunFeedback:
+    """The feedback of one integration during one run.
+
+    Args:
+        stats: the list that collects the committed checkpoints' stats (an integration may expose it).
+    """
+
+    def __init__(self, stats: list[CheckpointStats] | None = None) -> None:
+        self.stats: list[CheckpointStats] = [] if stats is None else stats
+        self._warned = False
+        self._seen = 0
+        self._announced: dict[int, list[str]] = {}
+
+    def committed(self, step: int, stats: CheckpointStats | None) -> list[str]:
+        """Record the commit of ``step`` (its ``stats`` when this rank has them); warns, once per run, when the
+        write is falling behind. Returns the messages that waited for this commit (:meth:`announce`)."""
+        if stats is not None:
+            self.stats.append(stats)
+            warning = None if self._warned else falling_behind(self.stats)
+            if warning is not None:
+                self._warned = True
+                warnings.warn(warning, RuntimeWarning, stacklevel=3)
+        return self._announced.pop(step, [])
+
+    def follow(self, log: Sequence[CheckpointStats], total: int) -> None:
+        """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call;
+        ``total``: how many it ever had (``stats.total.count``)."""
+        new, self._seen = total - self._seen, total
+        for stats in list(log)[len(log) - min(new, len(log)):]:
+            self.committed(stats.step, stats)
+
+    def announce(self, step: int, message: str) -> None:
+        """Keep ``message`` until :meth:`committed` of ``step`` (a "saved" line is true once the checkpoint is)."""
+        self._announced.setdefault(step, []).append(message)
+
+    def finish(self, info: Callable[[str], None]) -> dict[str, float]:
+        """The run's summary: given to ``info`` as one line, and returned as logger metrics (empty when no
+        checkpoint was committed: nothing to log)."""
+        summary = run_summary(self.stats)
+        info(summary_line(summary))
+        return summary

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from lazyckpt.format import MANIFEST
 from lazyckpt.loading import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage
+
+if TYPE_CHECKING:
+    from lazyckpt.policy.options import SessionOptions
 
 
 def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Storage | None = None) -> str | None:
@@ -34,3 +38,13 @@ def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Stor
             times[path] = info.mtime
     return max(times, key=times.__getitem__) if times else None
 
+
+
+def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] = ()) -> str | None:
+    """What ``ckpt_path="last"`` resumes in ``dirpath``: a newer checkpoint on the remote level is fetched first,
+    then :func:`newest_checkpoint` picks among the local ones and ``others`` (another tool's files). None when
+    there is nothing to resume."""
+    options.newest_on_this_node(dirpath)
+    if not os.path.isdir(dirpath):
+        return None
+    return newest_checkpoint(dirpath, others=others)

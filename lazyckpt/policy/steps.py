@@ -1,4 +1,4 @@
-"""Counting training steps from optimizer events, and when a checkpoint is due.
+"""Counting training steps from optimizer events, when a checkpoint is due, and the request a step owes.
 
 A step is one real update of the model: every optimizer of the run has stepped. Gradient-accumulation
 micro-batches and updates a mixed-precision scaler skipped never reach an optimizer's post-hook, so they do not
@@ -11,6 +11,19 @@ Example:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from lazyckpt.engine import PendingCheckpoint
+
+
+class _HasStep(Protocol):
+    step: int
+
+
+C = TypeVar("C", bound=_HasStep)
 
 
 class StepCounter:
@@ -44,3 +57,46 @@ class StepCounter:
         """Continue counting from ``step`` (after a restore); updates of a half-finished step are forgotten."""
         self.step = step
         self._stepped.clear()
+
+
+class StepRequests(Generic[C]):
+    """The checkpoint a loop owes: the state captured at the end of a step, requested at the next safe point (a
+    lazy request must not race the loop's own end-of-step updates), and the last request made.
+
+    ``C`` is whatever the integration captured at the step's end (it has a ``step``).
+
+    Example:
+        >>> requests = StepRequests()
+        >>> requests.capture(Captured(step=4))                         # doctest: +SKIP
+        >>> requests.issue(lambda captured: session.save(captured.step, ...))  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.waiting: C | None = None
+        """Captured, not requested yet."""
+        self.requested_step: int | None = None
+        self.pending: PendingCheckpoint | None = None
+
+    def capture(self, captured: C) -> None:
+        self.waiting = captured
+
+    def capture_unless_requested(self, step: int, capture: Callable[[int], C]) -> None:
+        """Capture ``step`` now (an explicit request) unless it waits already or was requested."""
+        if self.waiting is None and self.requested_step != step:
+            self.waiting = capture(step)
+
+    def issue(self, save: Callable[[C], PendingCheckpoint]) -> PendingCheckpoint | None:
+        """Request the waiting capture with ``save``; returns the newest request's handle."""
+        if self.waiting is not None:
+            captured, self.waiting = self.waiting, None
+            self.pending, self.requested_step = save(captured), captured.step
+        return self.pending
+
+    def drop(self, step: int) -> None:
+        """Never request ``step`` (its update was bad)."""
+        if self.waiting is not None and self.waiting.step == step:
+            self.waiting = None
+
+    def restart(self, requested_step: int | None) -> None:
+        """Forget everything owed (the state was restored); ``requested_step``: a step already committed."""
+        self.waiting, self.pending, self.requested_step = None, None, requested_step
