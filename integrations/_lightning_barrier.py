@@ -24,6 +24,16 @@ class LazyBarrierMixin:
     def __init__(self, owner: Any) -> None:
         super().__init__()
         self.owner = owner
+        self._hooks: list[Any] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hooks": []}  # hook handles are per-process, made in on_train_start()
+
+    def release(self) -> None:
+        """Remove the optimizer hooks of :meth:`on_train_start`."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def install(self, trainer: Any, namespace: str) -> bool:
         """Put this callback first in ``trainer.callbacks``; returns whether a weight-averaging callback there
@@ -34,6 +44,15 @@ class LazyBarrierMixin:
         callbacks = importlib.import_module(f"{namespace}.callbacks")
         writers = tuple(getattr(callbacks, n) for n in _WEIGHT_WRITERS if hasattr(callbacks, n))
         return any(isinstance(cb, writers) for cb in trainer.callbacks)
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not pl_module.automatic_optimization:
+            # Manual optimization calls step() after backward, so a torch pre-hook is a safe barrier there (it
+            # also covers raw optimizers that bypass on_before_optimizer_step). Never in automatic mode: Lightning
+            # runs forward/backward inside step(closure), after the pre-hook.
+            for opt in trainer.optimizers:
+                self._hooks.append(opt.register_step_pre_hook(lambda *_: self.owner.wait_staged()))
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

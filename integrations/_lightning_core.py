@@ -1,14 +1,10 @@
-"""The one implementation behind ``LazyCheckpoint`` for ``lightning`` and for ``pytorch_lightning``.
-
-``LazyCheckpointMixin`` is mixed into each namespace's ``ModelCheckpoint``, so every decision (triggers, top-k,
-``last``, file-name templates) is Lightning's own; it only translates Lightning's events into calls on the run's
-:class:`~lazyckpt.policy.CheckpointSession` (a lazy request per step, the barrier) and
-:class:`~lazyckpt.policy.CheckpointNames` (ModelCheckpoint's file names, published after each commit).
+"""``LazyCheckpoint`` for ``lightning`` and ``pytorch_lightning``: mixed into each namespace's ``ModelCheckpoint``,
+so every decision (triggers, top-k, ``last``, file-name templates) is Lightning's own. It translates Lightning's
+events into calls on the policy layer (:mod:`lazyckpt.policy`: the session, the names, the feedback).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 import weakref
@@ -19,47 +15,35 @@ from typing_extensions import override
 
 import lazyckpt
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, SessionOptions,
-                             checkpoint_metrics, falling_behind, newest_checkpoint, run_summary, summary_line,
-                             url_dirpath_levels)
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, RunFeedback,
+                             SessionOptions, checkpoint_metrics, resume_target, url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
 from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads
+from ._lightning_io import rank_zero_info as _rank_zero_info
 from ._lightning_rollback import LightningRollback
 
 
 class LazyCheckpointMixin:
-    """``ModelCheckpoint`` with lazy asynchronous saves (see docs/lightning.md).
+    """``ModelCheckpoint`` with lazy asynchronous saves (docs/lightning.md). Each checkpoint is a ``step-NNNNNNN/``
+    directory; ModelCheckpoint's file names (``epoch=1-step=40.ckpt``, ``last.ckpt``) are links to them.
 
     Args:
-        dirpath: where checkpoints go (default: chosen like ``ModelCheckpoint``). Each checkpoint is a
-            ``step-NNNNNNN/`` directory; ModelCheckpoint's file names (``epoch=1-step=40.ckpt``,
-            ``last.ckpt``) are links to them. ``lazyckpt.latest(dirpath)`` gives the newest. An fsspec URL
-            (``s3://bucket/run``): every checkpoint is uploaded there, and the names live in a private local
-            spool directory (``engine_options={"spool_dir": ...}``), which becomes ``self.dirpath``.
-        keep_last_k: also keep the newest k checkpoints whatever ``save_top_k`` says. A checkpoint is deleted
-            only when neither keeps it (keeping wins). None: ``save_top_k``/``save_last`` alone decide.
-        host_buffer_bytes: bytes of host memory that stage the lazy copies (None: one checkpoint's worth). Less
-            works too: the copy then waits for the writer, and the training thread for the copy.
+        dirpath: where checkpoints go (default: chosen like ``ModelCheckpoint``); an fsspec URL (``s3://...``):
+            every checkpoint is uploaded there, the names live in a local spool directory (``self.dirpath``).
+        keep_last_k: also keep the newest k checkpoints whatever ``save_top_k`` says (keeping wins); None:
+            ``save_top_k``/``save_last`` alone decide.
+        host_buffer_bytes: host memory staging the lazy copies (None: one checkpoint's worth; less works, slower).
         copy_backend: how tensors are copied to host memory: ``auto``, ``cpu``, ``cuda`` or ``triton``.
-        on_busy: when a checkpoint is requested while the previous one is still being written: ``wait`` for it,
-            or ``skip`` the new one (with a warning).
-        engine_options: further ``LazyCheckpointer`` arguments (``fsync``, ``commit_timeout_s``,
-            ``min_free_bytes``, ``verify_on_load``, ``on_older_step``, ``storage``), see ``lazyckpt.CheckpointConfig``.
-        remote, remote_every_n, remote_keep_last_k, storage_options: a remote level behind ``dirpath`` (an
-            fsspec URL); ``ckpt_path="last"`` fetches its newest checkpoint when that is newer (docs/remote.md).
-        log_stats: send each checkpoint's stall, copy and flush times and size, and the run's summary, to the
-            trainer's loggers.
-        keep_in_memory: keep the newest snapshot in host memory too (the engine's option; docs/rollback.md).
-        rollback_on_nonfinite: when the training loss of a step is nan/inf on any rank, restore model,
-            optimizers, LR schedulers and AMP scaler from the newest snapshot before that step and go on with
-            the next batch (docs/rollback.md). Needs ``save_weights_only=False``.
-        max_rollbacks (keyword): rollbacks allowed in a row without a newer good checkpoint (default 3); one
-            more raises ``lazyckpt.RollbackLimitError``.
-        **kwargs: every ``ModelCheckpoint`` argument (``filename``, ``monitor``, ``mode``, ``save_top_k``,
-            ``save_last``, ``every_n_train_steps``, ``train_time_interval``, ``every_n_epochs``,
-            ``save_on_train_epoch_end``, ``save_weights_only``, ...), with the same meaning.
+        on_busy: a request while the previous checkpoint is still written: ``wait`` for it, or ``skip`` this one.
+        engine_options: further ``lazyckpt.CheckpointConfig`` fields (``fsync``, ``verify_on_load``, ...).
+        log_stats: send each checkpoint's stall, times and size, and the run's summary, to the trainer's loggers.
+        keep_in_memory: keep the newest snapshot in host memory too (docs/rollback.md).
+        rollback_on_nonfinite: on a nan/inf training loss (any rank), restore model, optimizers, LR schedulers
+            and AMP scaler from the newest snapshot before that step and go on (needs ``save_weights_only=False``).
+        **kwargs: every ``ModelCheckpoint`` argument, with its meaning; and ``remote``, ``remote_every_n``,
+            ``remote_keep_last_k``, ``storage_options``, ``max_rollbacks`` (see ``lazyckpt.policy.SessionOptions``).
 
     Example:
         >>> trainer = Trainer(callbacks=[LazyCheckpoint("runs/ckpt", every_n_train_steps=50)])   # doctest: +SKIP
@@ -91,14 +75,12 @@ class LazyCheckpointMixin:
         self.session: CheckpointSession | None = None
         self.stats: list[CheckpointStats] = []
         """Timings and sizes of this rank's committed checkpoints (``lazyckpt.CheckpointStats``)."""
+        self._feedback = RunFeedback(self.stats)
         self._trainer_ref: Any = _no_trainer
         self._names: CheckpointNames | None = None
         self._loaded_rng: dict[str, Any] | None = None
-        self._hooks: list[Any] = []
         self._barrier = self._barrier_class(self)
-        self._announcements: dict[int, list[tuple[int, str, str]]] = {}
         self._verbose_at_commit = False
-        self._warned_behind = False
         self.wait_at_epoch_start = False
 
     @property
@@ -113,7 +95,7 @@ class LazyCheckpointMixin:
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the callbacks before setup(); the session and hooks are per-process, made in setup().
         state = self.__dict__.copy()
-        state.update(session=None, _trainer_ref=_no_trainer, _names=None, _hooks=[], _rollback=None)
+        state.update(session=None, _trainer_ref=_no_trainer, _names=None, _rollback=None)
         return state
 
     # --- setup and teardown ------------------------------------------------------------------------------------
@@ -139,12 +121,6 @@ class LazyCheckpointMixin:
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
-        if not pl_module.automatic_optimization:
-            # Manual optimization calls step() after backward, so a torch pre-hook is a safe barrier there (it
-            # also covers raw optimizers that bypass on_before_optimizer_step). Never in automatic mode: Lightning
-            # runs forward/backward inside step(closure), after the pre-hook.
-            for opt in trainer.optimizers:
-                self._hooks.append(opt.register_step_pre_hook(lambda *_: self.wait_staged()))
         if self._loaded_rng is not None:
             restore_train_rng(trainer, self._loaded_rng)
             self._loaded_rng = None
@@ -167,9 +143,7 @@ class LazyCheckpointMixin:
             super().teardown(trainer, pl_module, stage)
 
     def _close(self, trainer: Any, *, raise_errors: bool) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self._barrier.release()
         if self.session is not None:
             self.session = self._rollback = None
             self._names.close(lambda committed: self._report(trainer, committed), raise_errors=raise_errors)
@@ -206,10 +180,9 @@ class LazyCheckpointMixin:
         self._submit(trainer)
         self._poll(trainer, block=True)
         if trainer.is_global_zero:
-            summary = run_summary(self.stats)
+            summary = self._feedback.finish(info=lambda line: _rank_zero_info(self._namespace, line))
             for lg in trainer.loggers if summary and self.log_stats else ():
                 lg.log_metrics(summary, step=trainer.global_step)
-            _rank_zero_info(self._namespace, summary_line(summary))
 
     def wait_staged(self) -> None:
         """The barrier: return once the in-flight snapshot no longer reads the live tensors."""
@@ -257,17 +230,12 @@ class LazyCheckpointMixin:
         finally:
             self.verbose, self._verbose_at_commit = self._verbose_at_commit, False
 
-    def _warn_if_falling_behind(self) -> None:
-        warning = None if self._warned_behind else falling_behind(self.stats)
-        if warning is not None:
-            self._warned_behind = True
-            warnings.warn(warning, RuntimeWarning, stacklevel=2)
-
     def _announce_at_commit(self, trainer: Any, name: str) -> None:
         if self.verbose or self._verbose_at_commit:
             score = self.best_k_models.get(name) if self.monitor else None  # now: top-k may evict it before the commit
             metric = "" if score is None else f", {self.monitor!r} {float(score):0.5f}"
-            self._announcements.setdefault(trainer.global_step, []).append((trainer.current_epoch, name, metric))
+            self._feedback.announce(trainer.global_step, f"Epoch {trainer.current_epoch:d}, global step "
+                                                         f"{trainer.global_step:d}: saved {name!r} (committed{metric})")
 
     @override
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -284,13 +252,8 @@ class LazyCheckpointMixin:
         # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set, or ModelCheckpoint's
         # last*.ckpt file when that is newer (a run switching to LazyCheckpoint resumes, never starts over).
         dirpath = _compat.resolve_checkpoint_dir(self, trainer)
-        if not dirpath:
-            return set()
-        self.options.newest_on_this_node(os.fspath(dirpath))  # a newer remote checkpoint is fetched here first
-        if not os.path.isdir(dirpath):
-            return set()
-        others = super()._find_last_checkpoints(trainer)
-        newest = newest_checkpoint(dirpath, others=others)
+        others = super()._find_last_checkpoints(trainer) if dirpath else set()
+        newest = resume_target(os.fspath(dirpath), self.options, others) if dirpath else None
         if newest in others and self.save_last:
             self.last_model_path = newest  # the next last.ckpt replaces that file instead of becoming last-v1.ckpt
         return {newest} if newest else set()
@@ -310,15 +273,11 @@ class LazyCheckpointMixin:
     def _report(self, trainer: Any, committed: list[Committed]) -> None:
         """After commits: keep their stats; rank 0 logs them and tells the loggers a checkpoint exists."""
         for done in committed:
-            if done.stats is not None:
-                self.stats.append(done.stats)
-                self._warn_if_falling_behind()
-            announced = self._announcements.pop(done.step, [])
+            announced = self._feedback.committed(done.step, done.stats)
             if trainer is None or not trainer.is_global_zero:
                 continue
-            for epoch, name, metric in announced:
-                _rank_zero_info(self._namespace, f"Epoch {epoch:d}, global step {done.step:d}: saved {name!r} "
-                                                 f"(committed{metric})")
+            for message in announced:
+                _rank_zero_info(self._namespace, message)
             for lg in trainer.loggers:
                 if done.stats is not None and self.log_stats:
                     lg.log_metrics(checkpoint_metrics(done.stats), step=done.step)
@@ -327,8 +286,3 @@ class LazyCheckpointMixin:
 
 def _no_trainer() -> None:
     return None
-
-
-def _rank_zero_info(namespace: str, message: str) -> None:
-    """Print like ModelCheckpoint(verbose=True) does (Lightning's console logger)."""
-    importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info(message)

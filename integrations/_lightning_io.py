@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -247,3 +248,8 @@ class LazyCheckpointIOMixin:
 
     def teardown(self) -> None:
         self.base.teardown()
+
+
+def rank_zero_info(namespace: str, message: str) -> None:
+    """Print like ModelCheckpoint(verbose=True) does (Lightning's console logger)."""
+    importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info(message)
