@@ -1,21 +1,12 @@
-"""Hugging Face Accelerate integration: lazy checkpoints from one ``hook.register(accelerator)``.
+"""Hugging Face Accelerate integration: ``LazyCheckpointHook`` translates the events of a plain Accelerate loop into
+calls on the policy layer (:mod:`lazyckpt.policy`); what it reads from and restores into Accelerate's objects is in
+``_accelerate_state``. A step is one real optimizer update (not a micro-batch, not an update AMP skipped).
 
-``LazyCheckpointHook`` translates the events of a plain Accelerate loop into calls on the run's
-:class:`~lazyckpt.policy.CheckpointSession`; what it reads from and restores into Accelerate's objects is in
-``_accelerate_state``. A step is one real optimizer update: gradient-accumulation micro-batches and updates
-skipped by mixed precision do not count.
-
-Example:
+Example (docs/accelerate.md has the whole loop, and where to start it on resume):
     >>> hook = LazyCheckpointHook("runs/ckpt", every_n_steps=100, keep_last_k=3)      # doctest: +SKIP
     >>> model, opt, dl, sched = accelerator.prepare(model, opt, dl, sched)            # doctest: +SKIP
-    >>> hook.register(accelerator)                                                    # doctest: +SKIP
-    >>> start_epoch = hook.resume() // len(dl)                                        # doctest: +SKIP
-    >>> for epoch in range(start_epoch, epochs):                                      # doctest: +SKIP
-    ...     for batch in dl:
-    ...         accelerator.backward(model(batch).loss)
-    ...         opt.step(); sched.step(); opt.zero_grad()
-    >>> hook.close()                                                                  # doctest: +SKIP
-    >>> accelerator.end_training()                                                    # doctest: +SKIP
+    >>> step = hook.register(accelerator).resume()                                    # doctest: +SKIP
+    >>> hook.close()            # after the loop, before accelerator.end_training()   # doctest: +SKIP
 
 A checkpoint of step N is the state after iteration N (docs/accelerate.md, "The capture rule"): RNG and loader
 positions are read at the optimizer post-hook, the request goes out at the first forward afterwards, and the
@@ -34,7 +25,8 @@ import torch
 
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.policy import CheckpointSession, SessionOptions, StepCounter, project_defaults
+from lazyckpt.policy import (CheckpointSession, RunFeedback, SessionOptions, StepCounter, StepRequests,
+                             project_defaults)
 from lazyckpt.preflight import check_storable
 
 from . import _compat
@@ -51,16 +43,13 @@ class LazyCheckpointHook:
     """Lazy asynchronous checkpoints of an Accelerate training loop.
 
     Args:
-        dirpath: directory of the checkpoints (one ``step-NNNNNNN/`` per committed checkpoint), or an fsspec
-            URL (``s3://bucket/run``: a local spool directory, every checkpoint uploaded; docs/remote.md). None:
-            ``<project_dir>/lazyckpt`` of the accelerator's ``ProjectConfiguration`` (set in :meth:`register`).
+        dirpath: the checkpoint directory (one ``step-NNNNNNN/`` per checkpoint) or an fsspec URL (docs/remote.md).
+            None: ``<project_dir>/lazyckpt`` of the accelerator's ``ProjectConfiguration``.
         every_n_steps: request a checkpoint after every n-th optimizer update; None: only on :meth:`save`.
-        keep_last_k: keep only the newest k committed checkpoints. None: the ``ProjectConfiguration``'s
-            ``total_limit`` when set, else keep all.
-        **options: ``max_rollbacks`` (see :meth:`rollback`) and the other :class:`~lazyckpt.LazyCheckpointer`
-            options (``host_buffer_bytes``, ``copy_backend``, ``on_busy``, ``keep_in_memory``, ``verify_on_load``,
-            ``fsync``, ``storage``, ``remote``, ``storage_options``, ...). ``rank`` and ``world_size`` come from the
-            accelerator. With ``remote``, :meth:`resume` takes the newest checkpoint of either level.
+        keep_last_k: keep only the newest k checkpoints. None: the project's ``total_limit``, else keep all.
+        **options: the fields of ``lazyckpt.policy.SessionOptions`` (``remote``, ``max_rollbacks``, ...) and the
+            other ``LazyCheckpointer`` options (``host_buffer_bytes``, ``keep_in_memory``, ``fsync``, ...);
+            ``rank`` and ``world_size`` come from the accelerator.
 
     Raises:
         ValueError: an invalid option (the message names it).
@@ -79,9 +68,8 @@ class LazyCheckpointHook:
         self._rollback: AccelerateRollback | None = None
         self._handles: list[Any] = []
         self._closed = False
-        self._boundary: Boundary | None = None
-        self._pending: PendingCheckpoint | None = None
-        self._requested_step: int | None = None
+        self._requests: StepRequests[Boundary] = StepRequests()
+        self._feedback = RunFeedback()
         self._warned_no_forward = False
 
     # --- the public surface ---------------------------------------------------------------------------------
@@ -106,15 +94,12 @@ class LazyCheckpointHook:
     def register(self, accelerator: Accelerator) -> LazyCheckpointHook:
         """Hook every prepared model and optimizer of ``accelerator``; call it after ``accelerator.prepare``.
 
-        Also registers Accelerate's ``save_state``/``load_state`` pre-hooks (they drain pending copies) and
-        ``register_for_checkpointing(self)``, so ``accelerator.save_state()``/``load_state()`` carry the step.
+        Also hooks ``accelerator.save_state()``/``load_state()`` (they drain pending copies and carry the step).
 
         Raises:
             RuntimeError: already registered, or nothing was prepared.
-            ValueError: a distributed type or option this hook does not support, or no directory (``dirpath``
-                and the project's ``project_dir`` both None).
-            UnsupportedValueError: a registered object's ``state_dict()`` holds a value no checkpoint can store
-                (found now, before training, with its key path).
+            ValueError: an unsupported distributed type or option, or no directory (nor ``project_dir``).
+            UnsupportedValueError: a registered ``state_dict()`` holds a value no checkpoint can store (its key).
         """
         if self._run is not None:
             raise RuntimeError("this LazyCheckpointHook is registered already; create one hook per Accelerator")
@@ -164,7 +149,7 @@ class LazyCheckpointHook:
         step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load,
                                       load=self._session.load)["step"]
         self._counter.restart(step)
-        self._requested_step, self._pending, self._boundary = step, None, None
+        self._requests.restart(step)
         self._session.resumed(step, resolved)
         self._rollback.remember_start(step)
         return step
@@ -176,37 +161,25 @@ class LazyCheckpointHook:
             The handle (``wait()`` gives the committed directory); the same one when this step was requested
             already; None when this step's checkpoint was committed by an earlier run (after :meth:`resume`).
         """
-        run = self._require_registered("save")
-        if self._boundary is None and self._requested_step != self.step:
-            self._boundary = run.boundary(self.step)
-        if self._boundary is not None:
-            self._issue()
-        return self._pending
+        self._requests.capture_unless_requested(self.step, self._require_registered("save").boundary)
+        return self._issue()
 
     def rollback(self) -> int | None:
-        """Restore models, optimizers, schedulers, scaler and registered objects from the newest snapshot
-        before this iteration's update, because its loss is non-finite; returns the step restored, or None.
-
-        Call it in the iteration whose loss is nan/inf, before or after ``optimizer.step()``, then go on with the
-        next batch (``hook.step`` keeps counting). The snapshot comes from memory (``keep_in_memory=True``), else
-        from the newest committed checkpoint on disk, else (``keep_in_memory=True``) the state at ``register``
-        or ``resume``; None when there is none. With several processes, call it on every process together.
-
-        Example:
-            >>> if not torch.isfinite(loss):          # doctest: +SKIP
-            ...     hook.rollback(); continue
+        """Restore everything registered from the newest snapshot before this iteration's update, because its
+        loss is nan/inf; returns the step restored, or None when there is none (docs/rollback.md). Call it in
+        that iteration, before or after ``optimizer.step()``, on every process, then go on with the next batch.
 
         Raises:
             RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
         """
         self._require_registered("rollback")
         bad_step = self._rollback.bad_step(self.step)
-        if self._boundary is not None and self._boundary.step == bad_step:
-            self._boundary = None  # the bad update's request is never issued
+        self._requests.drop(bad_step)  # the bad update's request is never issued
         return self._rollback.roll_back(bad_step)
 
     def close(self) -> None:
-        """Issue a pending request, drain every checkpoint and remove the hooks. Idempotent.
+        """Issue a pending request, drain every checkpoint, remove the hooks and log the run's summary (one line,
+        and ``accelerator.log`` for its trackers). Idempotent.
 
         Call it before ``accelerator.end_training()``: multi-process commits need every process alive.
         """
@@ -215,13 +188,17 @@ class LazyCheckpointHook:
             return
         self._closed = True
         try:
-            if self._boundary is not None:
-                self._issue()
+            self._issue()
         finally:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
             self._session.close()
+        self._follow_commits()
+        if self._run.accelerator.is_main_process:
+            summary = self._feedback.finish(logger.info)
+            if summary:
+                self._run.accelerator.log(summary, step=self.step)
 
     def __enter__(self) -> LazyCheckpointHook:
         return self
@@ -236,25 +213,24 @@ class LazyCheckpointHook:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the step counter from ``accelerator.load_state()``."""
         self._counter.restart(int(state["step"]))
-        self._boundary, self._requested_step = None, None
+        self._requests.restart(None)
 
     # --- framework events -----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before = self.step
         if self._counter.updated(index, optimizers=len(self._run.prepared_optimizers)):
-            self._boundary = self._run.boundary(self.step)
+            self._requests.capture(self._run.boundary(self.step))
         if self.step != before:
             self._rollback.on_step()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         # The first forward after the step: the loop's scheduler step and other end-of-iteration updates are done.
         self._rollback.stepped = False
-        if self._boundary is not None:
-            self._issue()
+        self._issue()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._boundary is not None:
+        if self._requests.waiting is not None:
             if not self._warned_no_forward:
                 self._warned_no_forward = True
                 warnings.warn("lazyckpt: no forward of a prepared model ran between two optimizer steps, so the "
@@ -265,18 +241,21 @@ class LazyCheckpointHook:
 
     # --- helpers --------------------------------------------------------------------------------------------
 
-    def _issue(self) -> None:
-        boundary, self._boundary = self._boundary, None
-        self._pending = self._session.save(boundary.step, replicated=self._run.replicated,
-                                           per_rank=boundary.per_process, optimizers=self._run.optimizers,
-                                           immutable=self._run.models, started=boundary.started)
-        self._requested_step = boundary.step
+    def _issue(self) -> PendingCheckpoint | None:
+        """Request the step captured at its iteration's end, if any; the newest request's handle."""
+        self._follow_commits()
+        return self._requests.issue(lambda boundary: self._session.save(
+            boundary.step, replicated=self._run.replicated, per_rank=boundary.per_process,
+            optimizers=self._run.optimizers, immutable=self._run.models, started=boundary.started))
+
+    def _follow_commits(self) -> None:
+        stats = self._session.engine.stats
+        self._feedback.follow(stats, stats.total.count)
 
     def _drain_copies(self) -> None:
         """Issue a request waiting for its iteration's end, then pass the barrier of the one in flight."""
         self._require_registered("drain")
-        if self._boundary is not None:
-            self._issue()
+        self._issue()
         self._session.barrier()
 
     def _require_registered(self, what: str) -> PreparedRun:

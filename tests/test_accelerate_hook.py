@@ -452,3 +452,18 @@ def test_processes_the_accelerator_does_not_group_are_refused(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")  # e.g. torchrun without CUDA and without Accelerator(cpu=True)
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the Accelerator runs 1.*cpu=True"):
         LazyCheckpointHook(tmp_path).register(run[0])
+
+
+def test_close_logs_the_run_summary_once_and_gives_it_to_the_trackers(tmp_path, caplog):
+    run = build()
+    logged = []
+    run[0].log = lambda values, step=None: logged.append((dict(values), step))
+    hook = LazyCheckpointHook(tmp_path, every_n_steps=2).register(run[0])
+    train(run, range(1))
+    with caplog.at_level("INFO"):
+        hook.close()
+        hook.close()
+    lines = [r.getMessage() for r in caplog.records if "checkpoints committed" in r.getMessage()]
+    assert lines == [lines[0]] and lines[0].startswith("lazyckpt: 2 checkpoints committed, stall median")
+    assert [(values["lazyckpt/checkpoints"], step) for values, step in logged] == [(2.0, STEPS_PER_EPOCH)]
+    assert logged[0][0]["lazyckpt/stall_max_ms"] == pytest.approx(1e3 * max(s.stall_s for s in hook.checkpointer.stats))
