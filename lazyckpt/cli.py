@@ -33,7 +33,9 @@ from lazyckpt.export import FORMATS, export
 from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.remote.urls import is_url
 from lazyckpt.retention import committed_steps
-from lazyckpt.reader import CheckpointReader
+from lazyckpt.reader import CheckpointReader, placeholders
+from lazyckpt.tensor_io import read_tensor_bytes
+from lazyckpt.unflatten import unflatten
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 
 PROGRESS_MIN_BYTES = 256 << 20
@@ -63,13 +65,18 @@ class _Cli:
             self.out.print(f"no committed checkpoints in {args.dirpath}")
             return 0
         names = self._names(args.dirpath)
-        table = Table("step", "directory", "names", "committed", "size", title=Text(args.dirpath),
-                      title_justify="left")
         newest = max(steps)
+        rows = []
         for step, path in sorted(steps.items()):
             labels = ", ".join(sorted(names.get(step, []))) + (" (latest)" if step == newest else "")
-            table.add_row(str(step), Text(os.path.basename(path)), Text(labels.strip()), self._committed_at(path),
-                          human_size(self._size(path)))
+            rows.append([str(step), Text(os.path.basename(path)), Text(labels.strip()), self._committed_at(path),
+                         human_size(self._size(path)), Text(self._monitored(path, names.get(step, [])))])
+        columns = ["step", "directory", "names", "committed", "size", "monitored"]
+        if not any(row[-1].plain for row in rows):  # no ModelCheckpoint scores: no column for them
+            columns, rows = columns[:-1], [row[:-1] for row in rows]
+        table = Table(*columns, title=Text(args.dirpath), title_justify="left")
+        for row in rows:
+            table.add_row(*row)
         self.out.print(table)
         return 0
 
@@ -86,6 +93,15 @@ class _Cli:
             if match:
                 names.setdefault(int(match.group(1)), []).append(name)
         return names
+
+    def _monitored(self, path: str, names: list[str]) -> str:
+        """``monitor=score`` of this step's top-k names, from the ``ModelCheckpoint`` state a Lightning checkpoint
+        holds (the score's bytes alone are read); empty when none is known."""
+        try:
+            return ", ".join(f"{monitor}={score:.5g}" for monitor, score in
+                             monitored_scores(CheckpointReader(path, self.storage), set(names)))
+        except PROBLEMS:
+            return "?"
 
     def _committed_at(self, path: str) -> str:
         info = self.storage.stat(os.path.join(path, MANIFEST))
@@ -181,6 +197,31 @@ def _children(value: Any) -> Iterator[tuple[str, Any]] | None:
     if isinstance(value, (list, tuple)):
         return ((f"[{i}]", v) for i, v in enumerate(value))
     return None
+
+
+def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[str, float]]:
+    """``(monitor, score)`` for each ``ModelCheckpoint`` state in rank 0's ``callbacks`` whose top-k models
+    (``best_k_models``: file path to score) include one of ``names``."""
+    opened = reader.open_rank(0)
+    try:
+        tensors = placeholders(opened)
+        keys = {id(tensor): key for key, tensor in tensors.items()}
+        state = unflatten(opened.doc["tree"], tensors, opened.manifest)
+        callbacks = state.get("callbacks") if isinstance(state, dict) else None
+        found = []
+        for callback in callbacks.values() if isinstance(callbacks, dict) else ():
+            if not isinstance(callback, dict) or not isinstance(callback.get("monitor"), str):
+                continue
+            for file, score in (callback.get("best_k_models") or {}).items():
+                if os.path.basename(str(file)) in names and id(score) in keys:
+                    key = keys[id(score)]
+                    value = {key: torch.empty(score.shape, dtype=score.dtype)}
+                    read_tensor_bytes(opened.handle, opened.file, opened.data_start,
+                                      {key: opened.doc["tensors"][key]}, value, verify=True)
+                    found.append((callback["monitor"], float(value[key])))
+        return found
+    finally:
+        opened.close()
 
 
 def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int) -> int:

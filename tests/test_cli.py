@@ -136,3 +136,21 @@ def test_export_lightning_writes_a_ckpt_that_loads_with_weights_only(tmp_path, c
     assert code == 0, err
     loaded = torch.load(tmp_path / "out.ckpt", weights_only=True)
     assert torch.equal(loaded["state_dict"]["layer.weight"], torch.ones(2, 2)) and loaded["global_step"] == 8
+
+
+def test_ls_shows_the_monitored_score_of_the_top_k_names_of_a_step(tmp_path, capsys):
+    dirpath = tmp_path / "ckpt"
+    scores = {"epoch=0-step=10.ckpt": torch.tensor(0.75), "epoch=1-step=20.ckpt": torch.tensor(0.5)}
+    with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
+        for step, name in ((10, "epoch=0-step=10.ckpt"), (20, "epoch=1-step=20.ckpt"), (30, None)):
+            best = {str(dirpath / n): s for n, s in scores.items() if int(n.split("=")[-1][:-5]) <= step}
+            state = {"state_dict": {"w": torch.ones(64)}, "callbacks": {
+                "ModelCheckpoint{'monitor': 'val_loss'}": {"monitor": "val_loss", "best_k_models": best}}}
+            ckpt.save(state, step=step).wait()
+            if name is not None:
+                os.symlink(f"step-{step:07d}", dirpath / name)
+    code, out, err = run(capsys, "ls", dirpath)
+    assert code == 0 and err == ""
+    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in out.splitlines() if line.count("│") > 3}
+    assert "monitored" in out and {k: v for k, v in rows.items() if k.isdigit()} == {
+        "10": "val_loss=0.75", "20": "val_loss=0.5", "30": ""}
