@@ -7,6 +7,7 @@ registered objects are replicated, so they are written once, split across the pr
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -42,6 +43,21 @@ class PreparedRun:
     prepared_optimizers: list[Any]
     hook: Any
     """The hook itself: registered for ``save_state`` too, but its step is stored once, not as an object."""
+
+    def hook_into(self, *, before_step: Callable[..., None], after_step: Callable[..., None],
+                  forward: Callable[..., None], drain: Callable[[], None]) -> list[Any]:
+        """Register the hook's torch hooks (inner optimizers' step pre/post hooks with the optimizer's index,
+        models' forward pre-hook) and ``drain`` before Accelerate's ``save_state``/``load_state`` (``load_state``
+        overwrites the live tensors a lazy copy may still read); returns the handles."""
+        handles = []
+        for index, optimizer in enumerate(self.optimizers):
+            handles.append(optimizer.register_step_pre_hook(before_step))
+            handles.append(optimizer.register_step_post_hook(functools.partial(after_step, index)))
+        handles += [model.register_forward_pre_hook(forward) for model in self.models]
+        handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: drain()))
+        handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: drain()))
+        self.accelerator.register_for_checkpointing(self.hook)
+        return handles
 
     @classmethod
     def of(cls, accelerator: Any, hook: Any) -> PreparedRun:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,16 +113,8 @@ class LazyCheckpointHook:
         self._session = CheckpointSession(self.dirpath, self.options, rank=accelerator.process_index,
                                           world_size=accelerator.num_processes)
         self._run = run
-        for index, optimizer in enumerate(self._run.optimizers):
-            self._handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
-            self._handles.append(optimizer.register_step_post_hook(partial(self._after_optimizer_step, index)))
-        for model in self._run.models:
-            self._handles.append(model.register_forward_pre_hook(self._on_forward))
-        # Both first issue a request waiting for its iteration's end and pass the barrier: load_state overwrites
-        # the live tensors a lazy copy may still read.
-        self._handles.append(accelerator.register_save_state_pre_hook(lambda *_: self._drain_copies()))
-        self._handles.append(accelerator.register_load_state_pre_hook(lambda *_: self._drain_copies()))
-        accelerator.register_for_checkpointing(self)
+        self._handles = run.hook_into(before_step=self._before_optimizer_step, after_step=self._after_optimizer_step,
+                                      forward=self._on_forward, drain=self._drain_copies)
         self._rollback = AccelerateRollback(self._session, self._run)
         self._rollback.remember_start(self.step)
         return self
@@ -131,12 +122,11 @@ class LazyCheckpointHook:
     def resume(self, path: str | os.PathLike[str] | None = None) -> int:
         """Restore the newest committed checkpoint (or ``path``) into everything registered; returns its step.
 
-        Call it on every process, after :meth:`register`. Returns 0 and changes nothing when ``dirpath`` holds
-        no committed checkpoint. Nothing is changed either when the checkpoint does not fit.
+        Call it on every process, after :meth:`register`. Returns 0 and changes nothing when there is no
+        committed checkpoint, or when it does not fit. docs/accelerate.md says where to start the loop.
 
         Raises:
-            CheckpointMismatchError: the checkpoint was written for other models, optimizers, schedulers,
-                registered objects, dataloaders or another number of processes (the message lists each).
+            CheckpointMismatchError: written for other models, optimizers, ... (the message lists each).
             CheckpointCorruptError: a checksum does not match (the message names the file and tensor).
             CheckpointNotFoundError: ``path`` is not a committed checkpoint.
         """
@@ -194,7 +184,7 @@ class LazyCheckpointHook:
                 handle.remove()
             self._handles = []
             self._session.close()
-        self._follow_commits()
+        self._feedback.follow(self._session.engine.stats)
         if self._run.accelerator.is_main_process:
             summary = self._feedback.finish(logger.info)
             if summary:
@@ -243,14 +233,10 @@ class LazyCheckpointHook:
 
     def _issue(self) -> PendingCheckpoint | None:
         """Request the step captured at its iteration's end, if any; the newest request's handle."""
-        self._follow_commits()
+        self._feedback.follow(self._session.engine.stats)  # warns when the write falls behind
         return self._requests.issue(lambda boundary: self._session.save(
             boundary.step, replicated=self._run.replicated, per_rank=boundary.per_process,
             optimizers=self._run.optimizers, immutable=self._run.models, started=boundary.started))
-
-    def _follow_commits(self) -> None:
-        stats = self._session.engine.stats
-        self._feedback.follow(stats, stats.total.count)
 
     def _drain_copies(self) -> None:
         """Issue a request waiting for its iteration's end, then pass the barrier of the one in flight."""

@@ -15,7 +15,7 @@ import statistics
 import warnings
 from collections.abc import Callable, Sequence
 
-from lazyckpt.stats import CheckpointStats
+from lazyckpt.stats import CheckpointStats, StatsLog
 
 GROWING_RUN = 3
 """Consecutive checkpoints whose stall grows before :func:`falling_behind` says so."""
@@ -81,10 +81,9 @@ class RunFeedback:
                 warnings.warn(warning, RuntimeWarning, stacklevel=3)
         return self._announced.pop(step, [])
 
-    def follow(self, log: Sequence[CheckpointStats], total: int) -> None:
-        """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call;
-        ``total``: how many it ever had (``stats.total.count``)."""
-        new, self._seen = total - self._seen, total
+    def follow(self, log: StatsLog) -> None:
+        """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call."""
+        new, self._seen = log.total.count - self._seen, log.total.count
         for stats in list(log)[len(log) - min(new, len(log)):]:
             self.committed(stats.step, stats)
 
