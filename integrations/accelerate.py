@@ -24,8 +24,7 @@ import torch
 
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.policy import (CheckpointSession, RunFeedback, SessionOptions, StepCounter, StepRequests,
-                             project_defaults)
+from lazyckpt.policy import CheckpointSession, RunFeedback, SessionOptions, StepRequests, project_defaults
 from lazyckpt.preflight import check_storable
 
 from . import _compat
@@ -56,7 +55,6 @@ class LazyCheckpointHook:
 
     def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, every_n_steps: int | None = None,
                  keep_last_k: int | None = None, **options: Any) -> None:
-        self._counter = StepCounter(every_n_steps)
         ours, engine = SessionOptions.split(options)
         self.options = SessionOptions(owner="LazyCheckpointHook", source="the accelerator in hook.register()",
                                       keep_last_k=keep_last_k, engine=engine, **ours)
@@ -67,7 +65,7 @@ class LazyCheckpointHook:
         self._rollback: AccelerateRollback | None = None
         self._handles: list[Any] = []
         self._closed = False
-        self._requests: StepRequests[Boundary] = StepRequests()
+        self._requests: StepRequests[Boundary] = StepRequests(every_n_steps)
         self._feedback = RunFeedback()
         self._warned_no_forward = False
 
@@ -76,7 +74,7 @@ class LazyCheckpointHook:
     @property
     def step(self) -> int:
         """Optimizer updates counted so far (restored by :meth:`resume`)."""
-        return self._counter.step
+        return self._requests.step
 
     @property
     def checkpointer(self) -> LazyCheckpointer:
@@ -138,8 +136,7 @@ class LazyCheckpointHook:
             return 0
         step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load,
                                       load=self._session.load)["step"]
-        self._counter.restart(step)
-        self._requests.restart(step)
+        self._requests.restart(step, committed=True)
         self._session.resumed(step, resolved)
         self._rollback.remember_start(step)
         return step
@@ -202,16 +199,12 @@ class LazyCheckpointHook:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the step counter from ``accelerator.load_state()``."""
-        self._counter.restart(int(state["step"]))
-        self._requests.restart(None)
+        self._requests.restart(int(state["step"]), committed=False)
 
     # --- framework events -----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before = self.step
-        if self._counter.updated(index, optimizers=len(self._run.prepared_optimizers)):
-            self._requests.capture(self._run.boundary(self.step))
-        if self.step != before:
+        if self._requests.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary):
             self._rollback.on_step()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:

@@ -275,18 +275,23 @@ def test_step_requests_issue_a_capture_once_drop_a_bad_one_and_restart_after_a_r
 
     from lazyckpt.policy import StepRequests
 
-    requests, saved = StepRequests(), []
+    requests, saved = StepRequests(every_n_steps=2), []
     save = lambda captured: saved.append(captured.step) or f"handle {captured.step}"  # noqa: E731
     assert requests.issue(save) is None and saved == []
-    requests.capture(SimpleNamespace(step=3))
+    requests.capture_unless_requested(3, lambda step: SimpleNamespace(step=step))
     assert requests.issue(save) == "handle 3" == requests.issue(save) and saved == [3]
     requests.capture_unless_requested(3, lambda step: SimpleNamespace(step=step))  # step 3 was requested
     requests.capture_unless_requested(4, lambda step: SimpleNamespace(step=step))
     requests.drop(4)
     assert requests.issue(save) == "handle 3" and saved == [3]
-    requests.restart(7)
+    requests.restart(7, committed=True)
     requests.capture_unless_requested(7, lambda step: SimpleNamespace(step=step))
     assert requests.issue(save) is None and saved == [3]
+    completed = [requests.updated(i, optimizers=2, capture=lambda step: SimpleNamespace(step=step)) for i in (0, 1)]
+    assert completed == [False, True] and requests.step == 8 and requests.waiting.step == 8  # 8 is due
+    requests.restart(8, committed=False)
+    requests.capture_unless_requested(8, lambda step: SimpleNamespace(step=step))
+    assert requests.issue(save) == "handle 8"
 
 
 def test_resume_target_is_none_without_a_directory_and_the_newest_of_both_kinds_otherwise(tmp_path):

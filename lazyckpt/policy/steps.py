@@ -60,25 +60,37 @@ class StepCounter:
 
 
 class StepRequests(Generic[C]):
-    """The checkpoint a loop owes: the state captured at the end of a step, requested at the next safe point (a
-    lazy request must not race the loop's own end-of-step updates), and the last request made.
+    """The checkpoints a loop driven by optimizer updates owes: steps counted by a :class:`StepCounter`, the state
+    captured at the end of a due step, requested at the next safe point (a lazy request must not race the loop's
+    own end-of-step updates), and the last request made.
 
     ``C`` is whatever the integration captured at the step's end (it has a ``step``).
 
     Example:
-        >>> requests = StepRequests()
-        >>> requests.capture(Captured(step=4))                         # doctest: +SKIP
-        >>> requests.issue(lambda captured: session.save(captured.step, ...))  # doctest: +SKIP
+        >>> requests = StepRequests(every_n_steps=100)
+        >>> requests.updated(0, optimizers=1, capture=lambda step: Captured(step))   # doctest: +SKIP
+        >>> requests.issue(lambda captured: session.save(captured.step, ...))        # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        self._counter = StepCounter(every_n_steps)
         self.waiting: C | None = None
         """Captured, not requested yet."""
         self.requested_step: int | None = None
         self.pending: PendingCheckpoint | None = None
 
-    def capture(self, captured: C) -> None:
-        self.waiting = captured
+    @property
+    def step(self) -> int:
+        """Steps completed so far."""
+        return self._counter.step
+
+    def updated(self, index: int, *, optimizers: int, capture: Callable[[int], C]) -> bool:
+        """Optimizer ``index`` (of ``optimizers``) has updated; a step it completed is captured when due. Returns
+        whether it completed a step."""
+        before = self._counter.step
+        if self._counter.updated(index, optimizers=optimizers):
+            self.waiting = capture(self._counter.step)
+        return self._counter.step != before
 
     def capture_unless_requested(self, step: int, capture: Callable[[int], C]) -> None:
         """Capture ``step`` now (an explicit request) unless it waits already or was requested."""
@@ -97,6 +109,8 @@ class StepRequests(Generic[C]):
         if self.waiting is not None and self.waiting.step == step:
             self.waiting = None
 
-    def restart(self, requested_step: int | None) -> None:
-        """Forget everything owed (the state was restored); ``requested_step``: a step already committed."""
-        self.waiting, self.pending, self.requested_step = None, None, requested_step
+    def restart(self, step: int, *, committed: bool) -> None:
+        """Count on from ``step`` and forget everything owed (the state was restored); ``committed``: ``step`` is
+        a committed checkpoint already (a resume), so an explicit request of it saves nothing."""
+        self._counter.restart(step)
+        self.waiting, self.pending, self.requested_step = None, None, step if committed else None
