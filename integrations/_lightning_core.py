@@ -1,6 +1,7 @@
 """``LazyCheckpoint`` for ``lightning`` and ``pytorch_lightning``: mixed into each namespace's ``ModelCheckpoint``,
 so every decision (triggers, top-k, ``last``, file-name templates) is Lightning's own. It translates Lightning's
-events into calls on the policy layer (:mod:`lazyckpt.policy`: the session, the names, the feedback).
+events into calls on the policy layer (:mod:`lazyckpt.policy`: the session, the names, the feedback);
+``ModelCheckpoint``'s file operations, made lazy, are in :mod:`._lightning_files`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing_extensions import override
 import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, RunFeedback,
-                             SessionOptions, checkpoint_metrics, resume_target, url_dirpath_levels)
+                             SessionOptions, checkpoint_metrics, url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
+from ._lightning_files import LazyFileOperationsMixin
 from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads
 from ._lightning_io import rank_zero_info as _rank_zero_info
 from ._lightning_rollback import LightningRollback
 
 
-class LazyCheckpointMixin:
+class LazyCheckpointMixin(LazyFileOperationsMixin):
     """``ModelCheckpoint`` with lazy asynchronous saves (docs/lightning.md). Each checkpoint is a ``step-NNNNNNN/``
     directory; ModelCheckpoint's file names (``epoch=1-step=40.ckpt``, ``last.ckpt``) are links to them.
 
@@ -80,7 +82,6 @@ class LazyCheckpointMixin:
         self._names: CheckpointNames | None = None
         self._loaded_rng: dict[str, Any] | None = None
         self._barrier = self._barrier_class(self)
-        self._verbose_at_commit = False
         self.wait_at_epoch_start = False
 
     @property
@@ -205,58 +206,6 @@ class LazyCheckpointMixin:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         extra = checkpoint.get(EXTRA_KEY)
         self._loaded_rng = extra.get("rng") if isinstance(extra, dict) else None
-
-    # --- ModelCheckpoint's save, link and remove, made lazy ----------------------------------------------------
-
-    @override
-    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
-        # Only plan here: ModelCheckpoint may save (top-k, then last) and update its own state several times in
-        # one hook; the snapshot is requested once, when the hook returns (_submit), with the final state.
-        self._names.plan(trainer.global_step, filepath)
-        _compat.record_saved(self, trainer.global_step, filepath)
-        self._announce_at_commit(trainer, filepath)
-
-    @override
-    def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
-        self._names.copy(filepath, linkpath)
-        self._announce_at_commit(trainer, linkpath)
-
-    @override
-    def _update_best_and_save(self, current: Any, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
-        # ModelCheckpoint(verbose=True) says "saving model to ..." here, at the request; ours comes at the commit.
-        self._verbose_at_commit, self.verbose = self.verbose, False
-        try:
-            super()._update_best_and_save(current, trainer, monitor_candidates)
-        finally:
-            self.verbose, self._verbose_at_commit = self._verbose_at_commit, False
-
-    def _announce_at_commit(self, trainer: Any, name: str) -> None:
-        if self.verbose or self._verbose_at_commit:
-            score = self.best_k_models.get(name) if self.monitor else None  # now: top-k may evict it before the commit
-            metric = "" if score is None else f", {self.monitor!r} {float(score):0.5f}"
-            self._feedback.announce(trainer.global_step, f"Epoch {trainer.current_epoch:d}, global step "
-                                                         f"{trainer.global_step:d}: saved {name!r} (committed{metric})")
-
-    @override
-    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
-        self._names.drop(filepath)
-
-    @override
-    def file_exists(self, filepath: Any, trainer: Any) -> bool:
-        exists = trainer.is_global_zero and (filepath in self._names
-                                             or _compat.model_checkpoint_fs(self).exists(filepath))
-        return trainer.strategy.reduce_boolean_decision(exists, all=False)
-
-    @override
-    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        # ckpt_path="last": the newest committed checkpoint, whether or not save_last is set, or ModelCheckpoint's
-        # last*.ckpt file when that is newer (a run switching to LazyCheckpoint resumes, never starts over).
-        dirpath = _compat.resolve_checkpoint_dir(self, trainer)
-        others = super()._find_last_checkpoints(trainer) if dirpath else set()
-        newest = resume_target(os.fspath(dirpath), self.options, others) if dirpath else None
-        if newest in others and self.save_last:
-            self.last_model_path = newest  # the next last.ckpt replaces that file instead of becoming last-v1.ckpt
-        return {newest} if newest else set()
 
     # --- requests and their completion ------------------------------------------------------------------------
 
