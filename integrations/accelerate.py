@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +34,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
+NO_FORWARD = ("lazyckpt: no forward of a prepared model ran between two optimizer steps, so the checkpoint was "
+              "requested at the next step and copied without overlap")
 
 
 class LazyCheckpointHook:
@@ -67,7 +68,6 @@ class LazyCheckpointHook:
         self._closed = False
         self._requests: StepRequests[Boundary] = StepRequests(every_n_steps)
         self._feedback = RunFeedback()
-        self._warned_no_forward = False
 
     # --- the public surface ---------------------------------------------------------------------------------
 
@@ -213,23 +213,17 @@ class LazyCheckpointHook:
         self._issue()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._requests.waiting is not None:
-            if not self._warned_no_forward:
-                self._warned_no_forward = True
-                warnings.warn("lazyckpt: no forward of a prepared model ran between two optimizer steps, so the "
-                              "checkpoint was requested at the next step and copied without overlap",
-                              RuntimeWarning, stacklevel=2)
-            self._issue()
+        self._issue(late=NO_FORWARD)
         self._session.barrier()
 
     # --- helpers --------------------------------------------------------------------------------------------
 
-    def _issue(self) -> PendingCheckpoint | None:
+    def _issue(self, late: str | None = None) -> PendingCheckpoint | None:
         """Request the step captured at its iteration's end, if any; the newest request's handle."""
         self._feedback.follow(self._session.engine.stats)  # warns when the write falls behind
         return self._requests.issue(lambda boundary: self._session.save(
             boundary.step, replicated=self._run.replicated, per_rank=boundary.per_process,
-            optimizers=self._run.optimizers, immutable=self._run.models, started=boundary.started))
+            optimizers=self._run.optimizers, immutable=self._run.models, started=boundary.started), late=late)
 
     def _drain_copies(self) -> None:
         """Issue a request waiting for its iteration's end, then pass the barrier of the one in flight."""

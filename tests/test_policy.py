@@ -289,9 +289,12 @@ def test_step_requests_issue_a_capture_once_drop_a_bad_one_and_restart_after_a_r
     assert requests.issue(save) is None and saved == [3]
     completed = [requests.updated(i, optimizers=2, capture=lambda step: SimpleNamespace(step=step)) for i in (0, 1)]
     assert completed == [False, True] and requests.step == 8 and requests.waiting.step == 8  # 8 is due
-    requests.restart(8, committed=False)
-    requests.capture_unless_requested(8, lambda step: SimpleNamespace(step=step))
-    assert requests.issue(save) == "handle 8"
+    with pytest.warns(RuntimeWarning, match="too late") as late:
+        assert requests.issue(save, late="too late") == "handle 8"
+        requests.restart(8, committed=False)
+        requests.capture_unless_requested(8, lambda step: SimpleNamespace(step=step))
+        assert requests.issue(save, late="too late") == "handle 8" and saved == [3, 8, 8]
+    assert len(late) == 1, "once per run"
 
 
 def test_resume_target_is_none_without_a_directory_and_the_newest_of_both_kinds_otherwise(tmp_path):

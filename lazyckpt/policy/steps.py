@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -78,6 +79,7 @@ class StepRequests(Generic[C]):
         """Captured, not requested yet."""
         self.requested_step: int | None = None
         self.pending: PendingCheckpoint | None = None
+        self._warned_late = False
 
     @property
     def step(self) -> int:
@@ -97,9 +99,13 @@ class StepRequests(Generic[C]):
         if self.waiting is None and self.requested_step != step:
             self.waiting = capture(step)
 
-    def issue(self, save: Callable[[C], PendingCheckpoint]) -> PendingCheckpoint | None:
-        """Request the waiting capture with ``save``; returns the newest request's handle."""
+    def issue(self, save: Callable[[C], PendingCheckpoint], *, late: str | None = None) -> PendingCheckpoint | None:
+        """Request the waiting capture with ``save``; returns the newest request's handle. ``late``: this point is
+        later than the safe one (the copy cannot overlap training), a warning given once if it issues a request."""
         if self.waiting is not None:
+            if late is not None and not self._warned_late:
+                self._warned_late = True
+                warnings.warn(late, RuntimeWarning, stacklevel=3)
             captured, self.waiting = self.waiting, None
             self.pending, self.requested_step = save(captured), captured.step
         return self.pending
