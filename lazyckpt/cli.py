@@ -30,7 +30,8 @@ from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import FORMATS, export
-from lazyckpt.format import MANIFEST, STEP_DIR
+from lazyckpt.policy.aliases import alias_step
+from lazyckpt.format import MANIFEST
 from lazyckpt.remote.urls import is_url
 from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader, placeholders
@@ -84,14 +85,9 @@ class _Cli:
         """Links in ``dirpath`` that name a step directory (Lightning's ``last.ckpt``, top-k names)."""
         names: dict[int, list[str]] = {}
         for name in self.storage.list_dir(dirpath):
-            path = os.path.join(dirpath, name)
-            info = self.storage.stat(path)
-            if info is None or info.kind is not FileKind.LINK:
-                continue
-            target = os.path.basename(os.path.normpath(self.storage.read_link(path)))
-            match = STEP_DIR.fullmatch(target)
-            if match:
-                names.setdefault(int(match.group(1)), []).append(name)
+            step = alias_step(self.storage, os.path.join(dirpath, name))
+            if step is not None:
+                names.setdefault(step, []).append(name)
         return names
 
     def _monitored(self, path: str, names: list[str]) -> str:
@@ -108,8 +104,7 @@ class _Cli:
         return datetime.datetime.fromtimestamp(info.mtime).strftime("%Y-%m-%d %H:%M:%S") if info else "?"
 
     def _size(self, path: str) -> int:
-        sizes = (self.storage.stat(os.path.join(path, n)) for n in self.storage.list_dir(path))
-        return sum(i.size for i in sizes if i is not None and i.kind is FileKind.FILE)
+        return _file_bytes(self.storage, path)
 
     # --- show -----------------------------------------------------------------------------------------------
 
@@ -186,8 +181,12 @@ class _Cli:
 
 def _tensor_bytes(reader: CheckpointReader) -> int:
     """About what verify will read, for the progress bar: the sizes of the directory's tensor files."""
-    infos = (reader.storage.stat(os.path.join(reader.path, n)) for n in reader.storage.list_dir(reader.path)
-             if n.endswith(".safetensors"))
+    return _file_bytes(reader.storage, reader.path, suffix=".safetensors")
+
+
+def _file_bytes(storage: Storage, path: str, *, suffix: str = "") -> int:
+    """Total size of the plain files directly in ``path`` whose names end with ``suffix``."""
+    infos = (storage.stat(os.path.join(path, n)) for n in storage.list_dir(path) if n.endswith(suffix))
     return sum(i.size for i in infos if i is not None and i.kind is FileKind.FILE)
 
 

@@ -182,7 +182,8 @@ class LazyCheckpointer:
         if self.in_flight is not None and self.in_flight.step == step:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
         path = os.path.join(self.dirpath, step_dirname(step))
-        self._newest_committed = None
+        if step == self._newest_committed:  # removing an older step leaves the newest as it is
+            self._newest_committed = None
         doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
         try:
             self.storage.rename(path, doomed, sync=False)
@@ -349,15 +350,18 @@ class LazyCheckpointer:
             job.tree = fill_deferred(job.tree, resolved)
         except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
             if job.fail(e):  # the file is closed already, so no finalize will discard the job: do it here
-                self._writer.submit(CallTask(job, lambda: discard(job, self.storage, self._rendezvous), always=True))
+                self._discard_off_writer(job)
             return False
         return job.complete_tree()
+
+    def _discard_off_writer(self, job: CheckpointJob) -> None:
+        self._writer.submit(CallTask(job, lambda: discard(job, self.storage, self._rendezvous), always=True))
 
     def _abort(self, job: CheckpointJob) -> bool:
         """Fail ``job`` on request and wait until it ended; True when it was discarded (not committed)."""
         discarded = CheckpointDiscardedError(f"the checkpoint of step {job.step} was discarded by discard({job.step})")
         if job.cancel(discarded):  # the file is closed already, so no finalize will discard the job: do it here
-            self._writer.submit(CallTask(job, lambda: discard(job, self.storage), always=True))
+            self._discard_off_writer(job)
         if job.error is discarded:
             job.error_delivered = True  # asked for: not a failure to report (an earlier real one still is)
         self._drain(job, deliver=False)

@@ -116,13 +116,6 @@ class MemoryLevel:
         if previous is not None:
             previous.release()
 
-    def drop(self, job: CheckpointJob) -> None:
-        """``job`` failed or was discarded: free what it held; the newest snapshot stays."""
-        with self._lock:
-            snapshot = self._building.pop(job, None)
-        if snapshot is not None:
-            snapshot.release()
-
     def forget(self, step: int) -> bool:
         """Drop the newest snapshot if it is of ``step`` (its checkpoint was removed); True if it was."""
         with self._lock:
@@ -141,11 +134,6 @@ class MemoryLevel:
             snapshot.release()
 
     # --- the training side ----------------------------------------------------------------------------------
-
-    @property
-    def newest_step(self) -> int | None:
-        snapshot = self._newest
-        return None if snapshot is None else snapshot.job.step
 
     def read(self, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest snapshot, its bytes copied out and checked; None when there is none.

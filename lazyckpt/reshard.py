@@ -21,15 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_run, format_checksum
-from lazyckpt.errors import CheckpointCorruptError, CheckpointFormatError, CheckpointMismatchError
+from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format import torch_dtype
 from lazyckpt.reader import CheckpointReader, RankFile
 from lazyckpt.remote.urls import storage_for
 from lazyckpt.sharding import is_dtensor
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
-from lazyckpt.tensor_io import read_exact
+from lazyckpt.tensor_io import check_chunks, read_exact
 from lazyckpt.unflatten import unflatten
 
 
@@ -73,11 +73,7 @@ class ShardFiles:
         buffer = np.empty(hi - lo, dtype=np.uint8)
         read_exact(opened.handle, opened.data_start + t_start + lo, buffer, opened.file, f"tensor {key!r}")
         if self.verify:
-            for index, actual in enumerate(checksum_run(buffer), start=lo // CHUNK_BYTES):
-                if format_checksum(actual) != info["checksums"][index]:
-                    raise CheckpointCorruptError(
-                        f"{opened.file}: tensor {key!r} is corrupt: chunk {index} has checksum "
-                        f"{format_checksum(actual)}, the manifest recorded {info['checksums'][index]}")
+            check_chunks(buffer, lo, info["checksums"][lo // CHUNK_BYTES :], opened.file, key)
         return buffer[start - lo : end - lo]
 
     def read_whole(self, rank: int, key: str) -> torch.Tensor:

@@ -84,6 +84,8 @@ class RunFeedback:
     def follow(self, log: StatsLog) -> None:
         """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call."""
         new, self._seen = log.total.count - self._seen, log.total.count
+        if new <= 0:
+            return  # called on every forward: nothing committed since the last call, nothing to copy
         for stats in list(log)[len(log) - min(new, len(log)):]:
             self.committed(stats.step, stats)
 

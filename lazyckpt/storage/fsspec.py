@@ -217,20 +217,21 @@ class FsspecStorage:
     def resolve(self, path: str) -> str:
         return path
 
-    def open_read(self, path: str) -> _ReadObject:
+    def _file_info(self, path: str) -> FileInfo:
+        """``stat`` of a plain file or object; raises as opening a missing file or a directory would."""
         info = self.stat(path)
         if info is None:
             raise FileNotFoundError(errno.ENOENT, "No such file or object", path)
         if info.kind is not FileKind.FILE:
             raise IsADirectoryError(errno.EISDIR, "Not a regular file or object", path)
+        return info
+
+    def open_read(self, path: str) -> _ReadObject:
+        self._file_info(path)
         return _ReadObject(self.fs.open(self._path(path), "rb", block_size=PART_BYTES))
 
     def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
-        info = self.stat(path)
-        if info is None:
-            raise FileNotFoundError(errno.ENOENT, "No such file or object", path)
-        if info.kind is not FileKind.FILE:
-            raise IsADirectoryError(errno.EISDIR, "Not a regular file or object", path)
+        info = self._file_info(path)
         if info.size > max_bytes:
             raise ValueError(f"{path} holds {info.size} bytes, more than the limit of {max_bytes}")
         return bytes(self.fs.cat_file(self._path(path)))
