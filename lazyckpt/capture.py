@@ -19,10 +19,11 @@ import torch
 
 from lazyckpt.checksum import format_checksum, num_chunks
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.format import PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, step_dirname
+from lazyckpt.format import (PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, global_index,
+                             step_dirname, tensor_summary, tensor_table_doc)
 from lazyckpt.job import CheckpointJob, CheckpointStats
 from lazyckpt.plan import Piece, TensorEntry, layout, plan_pieces
-from lazyckpt.sharding import plan_ownership, plan_signature
+from lazyckpt.sharding import Box, plan_ownership, plan_signature
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
@@ -87,9 +88,8 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
                            lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
                for key, t in tensors.items()]
-    offsets = tuple((key, None if box is None else box.offsets) for key, box in boxes.items())
-    placed, data_bytes, header, pieces, tensors_doc_bytes = _plan(tuple(entries), offsets)
-    needed = len(header) + data_bytes + manifest_bytes(tree, tensors_doc_bytes, config.world_size)
+    placed, data_bytes, header, pieces, tables_bytes = _plan(tuple(entries), tuple(boxes.items()), config.world_size)
+    needed = len(header) + data_bytes + manifest_bytes(tree, tables_bytes, config.world_size)
     _check_free_space(storage, dirpath, needed + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
     sources, versions = [], {}
@@ -113,33 +113,36 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(entries: tuple[TensorEntry, ...], offsets: tuple[tuple[str, tuple[int, ...] | None], ...],
+def _plan(entries: tuple[TensorEntry, ...], boxes: tuple[tuple[str, Box | None], ...], world_size: int,
           ) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...], int]:
-    """Layout, header, pieces and the size of the manifest's tensor table for a set of tensors. Cached: a
+    """Layout, header, pieces and the size of the manifests' tensor tables for a set of tensors. Cached: a
     training loop checkpoints the same tensors with the same shapes every time, and rebuilding the plan was most
     of ``save()``'s remaining time."""
     placed, data_bytes = layout(list(entries))
-    header = build_header(placed, dcp_sharding_metadata(placed, dict(offsets)))
-    return tuple(placed), data_bytes, header, tuple(plan_pieces(placed)), _tensor_table_bytes(placed)
+    offsets = {key: None if box is None else box.offsets for key, box in boxes}
+    header = build_header(placed, dcp_sharding_metadata(placed, offsets))
+    return (tuple(placed), data_bytes, header, tuple(plan_pieces(placed)),
+            _tensor_tables_bytes(placed, dict(boxes), world_size))
 
 
 _MANIFEST_OVERHEAD_BYTES = 4096
 """Room for the manifests' fixed fields (format, step, checksum algorithm...) of the rank and top manifests."""
 
 
-def manifest_bytes(tree: Any, tensor_table_bytes: int, world_size: int) -> int:
+def manifest_bytes(tree: Any, tensor_tables_bytes: int, world_size: int) -> int:
     """An upper estimate of the bytes this rank writes besides its tensor file: its manifest (tree plus tensor
     table) and, for rank 0, ``manifest.json``. ``Deferred`` values are not known yet and are not counted."""
     tree_bytes = len(json.dumps(tree, separators=(",", ":"), allow_nan=False))
-    return tree_bytes + tensor_table_bytes + _MANIFEST_OVERHEAD_BYTES + 32 * world_size
+    return tree_bytes + tensor_tables_bytes + _MANIFEST_OVERHEAD_BYTES + 32 * world_size
 
 
-def _tensor_table_bytes(entries: list[TensorEntry]) -> int:
+def _tensor_tables_bytes(entries: list[TensorEntry], boxes: dict[str, Box | None], world_size: int) -> int:
+    """This rank's tensor table, plus an upper estimate of the global index in ``manifest.json`` (every sharded
+    tensor with one box per rank)."""
     placeholder = format_checksum(0)
-    table = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
-                     "checksums": [placeholder] * num_chunks(e.nbytes), "capture": "eager", "box": None}
-             for e in entries}
-    return len(json.dumps(table, separators=(",", ":")))
+    table = tensor_table_doc(entries, {e.key: [placeholder] * num_chunks(e.nbytes) for e in entries}, boxes)
+    index = global_index({0: tensor_summary(table)})
+    return len(json.dumps(table, separators=(",", ":"))) + world_size * len(json.dumps(index, separators=(",", ":")))
 
 
 def _check_free_space(storage: Storage, dirpath: str, needed: int, step: int) -> None:

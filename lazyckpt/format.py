@@ -208,13 +208,20 @@ def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree:
                       boxes: dict[str, Any]) -> dict[str, Any]:
     """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding);
     ``boxes`` maps each key to its :class:`~lazyckpt.sharding.Box` (None: a tensor of this rank alone)."""
-    tensors = {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
-                       "checksums": checksums[e.key], "capture": "lazy" if e.lazy else "eager",
-                       "box": _box_doc(boxes.get(e.key))} for e in entries}
+    tensors = tensor_table_doc(entries, checksums, boxes)
     return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
                     "world_size": world_size, "file": file,
                     "checksum": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
                     "header_sha256": sha256_hex(header), "tensors": tensors, "tree": tree})
+
+
+def tensor_table_doc(entries: list[TensorEntry], checksums: dict[str, list[str]],
+                     boxes: dict[str, Any]) -> dict[str, Any]:
+    """A rank manifest's ``tensors`` table: per stored tensor its dtype, shape, byte range, chunk checksums,
+    capture mode and box."""
+    return {e.key: {"dtype": e.dtype, "shape": list(e.shape), "offsets": [e.offset, e.offset + e.nbytes],
+                    "checksums": checksums[e.key], "capture": "lazy" if e.lazy else "eager",
+                    "box": _box_doc(boxes.get(e.key))} for e in entries}
 
 
 def _box_doc(box: Any) -> dict[str, list[int]] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 import torch
@@ -77,6 +78,27 @@ def test_the_free_space_check_counts_the_manifests_too(storage_root):
         assert info.value.errno == errno.ENOSPC
         storage.free = written + 8192
         ckpt.save(state, step=2).wait()
+
+
+def test_the_free_space_estimate_covers_sharded_tables_and_the_global_index():
+    from lazyckpt.capture import _tensor_tables_bytes
+    from lazyckpt.format import global_index, rank_manifest_doc, tensor_summary
+    from lazyckpt.plan import TensorEntry, layout
+    from lazyckpt.sharding import Box
+
+    world_size, rows = 4, 1_000_000
+    entries, _ = layout([TensorEntry(f"layer{i}.weight", "F32", (rows // world_size, 8), rows // world_size * 32)
+                         for i in range(50)])
+    tables = {}
+    for rank in range(world_size):
+        boxes = {e.key: Box((rows, 8), (rank * (rows // world_size), 0)) for e in entries}
+        doc = rank_manifest_doc(step=1, rank=rank, world_size=world_size, file="f", tree={}, header=b"",
+                                entries=entries, checksums={e.key: ["0" * 16] * 8 for e in entries}, boxes=boxes)
+        tables[rank] = doc["tensors"]
+    written = len(json.dumps(tables[world_size - 1], separators=(",", ":"))) + len(
+        json.dumps(global_index({r: tensor_summary(t) for r, t in tables.items()}), separators=(",", ":")))
+    boxes = {e.key: Box((rows, 8), ((world_size - 1) * (rows // world_size), 0)) for e in entries}
+    assert _tensor_tables_bytes(entries, boxes, world_size) >= written
 
 
 class _FreeBytes:
