@@ -11,24 +11,11 @@ import textwrap
 import pytest
 
 import lazyckpt
-from _remote_helpers import free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
+from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
 from conftest import snapshot, step
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.remote.upload import RemoteUnreachableError
-
-
-class FlakyRemote(FsspecStorage):
-    """The real remote, except that while ``fail`` is set an upload dies after the tensor file went up."""
-
-    def __init__(self, url, options):
-        super().__init__(url, options)
-        self.fail = False
-
-    def upload_file(self, local_path, path):
-        if self.fail and path.endswith(".json"):
-            raise ConnectionError(f"connection to the object store lost (injected) while writing {path}")
-        super().upload_file(local_path, path)
 
 
 def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):
