@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyckpt.format import MANIFEST, rank_file, rank_manifest, step_dirname
+from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES, rank_file, rank_manifest, step_dirname
 from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
 from lazyckpt.remote.urls import join
@@ -242,7 +242,7 @@ class RemoteLevel:
 
     def _upload(self, upload: RemoteUpload, local_dir: str) -> int:
         """This rank's files, then the meeting after which rank 0 writes the commit object; returns the bytes."""
-        if upload.retry and self.storage.stat(join(upload.url, MANIFEST)) is not None:
+        if upload.retry and self._committed_already(upload.url, local_dir):
             return 0  # only this rank gave up on the first try, after rank 0 had committed it
         attempt = upload_attempt(upload.job.attempt, upload.retry)
         try:
@@ -253,6 +253,12 @@ class RemoteLevel:
         except BaseException as e:
             self.meeting.give_up(attempt, e)
             raise
+
+    def _committed_already(self, step_url: str, local_dir: str) -> bool:
+        """True when the remote holds this very checkpoint's commit object (not one of another run's step)."""
+        remote, local = join(step_url, MANIFEST), os.path.join(local_dir, MANIFEST)
+        return (self.storage.stat(remote) is not None and self.storage.read_bytes(remote, max_bytes=MAX_MANIFEST_BYTES)
+                == self.local.read_bytes(local, max_bytes=MAX_MANIFEST_BYTES))
 
     def _own_files(self, local_dir: str) -> list[str]:
         """What this rank uploads, its manifest last (it marks the upload durable); rank 0 adds the files no
