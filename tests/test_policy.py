@@ -246,6 +246,19 @@ def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warn
         assert "10.0 ms to 50.0 ms" in message and "host_buffer_bytes" in message and "interval" in message
 
 
+@pytest.mark.parametrize("stalls", [(0.010, 0.015, 0.023), (0.002, 0.010, 0.049)])
+def test_a_growing_stall_that_stays_short_in_absolute_terms_is_not_reported(stalls):
+    from lazyckpt.policy import falling_behind
+    from lazyckpt.policy.feedback import MIN_STALL_S
+    from lazyckpt.stats import CheckpointStats
+
+    def stats(values):
+        return [CheckpointStats(step=i, save_s=s, flush_s=1.0) for i, s in enumerate(values)]
+
+    assert falling_behind(stats(stalls)) is None  # it doubled, but a tiny run's milliseconds are noise
+    assert falling_behind(stats((*stalls[:-1], MIN_STALL_S))) is not None
+
+
 def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a_bounded_log():
     from lazyckpt.policy import RunFeedback
     from lazyckpt.stats import CheckpointStats, StatsLog

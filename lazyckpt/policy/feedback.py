@@ -21,6 +21,9 @@ GROWING_RUN = 3
 """Consecutive checkpoints whose stall grows before :func:`falling_behind` says so."""
 GROWTH = 2.0
 """How many times the first of those stalls the last must be: noise does not double three times in a row."""
+MIN_STALL_S = 0.05
+"""The newest stall must be this long too: a few milliseconds growing to a few more (a tiny model, a cold cache)
+is noise, not a write that cannot keep up, and costs the run nothing worth changing its settings for."""
 
 
 def run_summary(stats: Sequence[CheckpointStats]) -> dict[str, float]:
@@ -45,10 +48,12 @@ def summary_line(summary: dict[str, float]) -> str:
 
 
 def falling_behind(stats: Sequence[CheckpointStats]) -> str | None:
-    """A warning when the newest stalls keep growing (each request waits longer for the write before it), else
-    None. The fix: checkpoint less often, give the copy more host memory, or write to faster storage."""
+    """A warning when the newest stalls keep growing (each request waits longer for the write before it) and the
+    newest is long enough to matter (:data:`MIN_STALL_S`), else None. The fix: checkpoint less often, give the copy more host memory, or write to faster storage."""
     recent = [s.stall_s for s in stats[-GROWING_RUN:]]
     if len(recent) < GROWING_RUN or any(b <= a for a, b in zip(recent, recent[1:])) or recent[-1] < GROWTH * recent[0]:
+        return None
+    if recent[-1] < MIN_STALL_S:
         return None
     durable = statistics.median(s.flush_s for s in stats[-GROWING_RUN:])
     return (f"lazyckpt: the background write is falling behind: the training-thread stall grew from "
