@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
+from lazyckpt.policy import CheckpointSession, NothingToRollBackTo, Restored, RollbackPolicy
 
 from ._accelerate_state import PreparedRun
 
@@ -24,9 +24,8 @@ class AccelerateRollback:
         accelerator = run.accelerator
         self.run = run
         self.keep_start = session.engine.config.keep_in_memory
-        self.policy = RollbackPolicy(session.engine, max_rollbacks=session.options.max_rollbacks,
-                                     is_source=accelerator.process_index == 0,
-                                     share=_broadcast if accelerator.num_processes > 1 else None)
+        self.policy = RollbackPolicy.of_session(session, is_source=accelerator.process_index == 0,
+                                                share=_broadcast if accelerator.num_processes > 1 else None)
         self.stepped = False
         """True between a completed optimizer update and the next forward of a prepared model."""
 
@@ -47,12 +46,10 @@ class AccelerateRollback:
     def roll_back(self, bad_step: int) -> int | None:
         """Restore the newest state before ``bad_step``; its step, or None when there is none."""
         try:
-            restored = self.policy.roll_back(bad_step=bad_step, into=self.run.replicated())
-        except LookupError:
+            restored = self.policy.restore(bad_step, live=self.run.replicated(), load=self.run.restore_replicated,
+                                           optimizers=self.run.optimizers)
+        except NothingToRollBackTo:
             return None
-        self.run.restore_replicated(restored.state)
-        for optimizer in self.run.optimizers:
-            optimizer.zero_grad(set_to_none=True)  # the bad step's gradients must not leak into the next one
         self.stepped = False
         return restored.step
 

@@ -29,13 +29,14 @@ from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint, resume_target
-from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
+from lazyckpt.policy.rollback import (NothingToRollBackTo, Restored, RollbackPolicy, StepVote, check_max_rollbacks,
+                                      is_nonfinite)
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.sharded import restore_sharded
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
-__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "Restored", "RollbackPolicy",
-           "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote", "capture_rng",
+__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo", "Restored",
+           "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote", "capture_rng",
            "check_fits", "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind",
            "find_generators", "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng",
            "restore_sharded", "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]
