@@ -25,9 +25,9 @@ import torch
 
 import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, StepAlreadyCommittedError
-from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng,
-                             restore_sharded)
+from lazyckpt.errors import CheckpointFormatError, StepAlreadyCommittedError
+from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_committed, check_fits, find_generators,
+                             restore_rng, restore_sharded)
 from lazyckpt.plain import weights_only_safe
 
 from . import _compat
@@ -67,7 +67,7 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = 
         CheckpointNotFoundError: ``path`` is missing, partial (uncommitted) or a directory of checkpoints.
         CheckpointFormatError: it is a lazyckpt checkpoint but not a Lightning one, or its files are damaged.
     """
-    path = _check_committed(os.fspath(path))
+    path = check_committed(os.fspath(path))
     state = lazyckpt.load(path, map_location=map_location, verify=verify)
     if not isinstance(state, dict) or any(k not in state for k in LIGHTNING_KEYS):
         found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
@@ -86,21 +86,6 @@ def _rank_rng(path: str, rank: int, verify: bool) -> dict[str, Any] | None:
         warnings.warn(f"lazyckpt: {path} holds no RNG state for rank {rank} (it was saved by fewer ranks); "
                       "that rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
         return None
-
-
-def _check_committed(path: str) -> str:
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
-        newest = lazyckpt.latest(path)
-        if newest is not None:
-            raise CheckpointNotFoundError(
-                f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
-                "(or pass ckpt_path='last')")
-    if not os.path.exists(path):
-        hint = " It is still partial (never committed)." if os.path.isdir(path + ".partial") else ""
-        newest = lazyckpt.latest(os.path.dirname(path) or ".")
-        raise CheckpointNotFoundError(f"lazyckpt checkpoint {path} does not exist.{hint}"
-                                      + (f" The newest committed checkpoint there is {newest}." if newest else ""))
-    return path
 
 
 def export_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
@@ -169,7 +154,7 @@ def route_sharded_loads(strategy: Any) -> None:
         path = local_path(strategy.broadcast(checkpoint_path))
         if not is_lazyckpt_path(path):
             return own(checkpoint_path, weights_only=weights_only)
-        return restore_sharded(_check_committed(path), strategy.model, strategy.optimizers,
+        return restore_sharded(check_committed(path), strategy.model, strategy.optimizers,
                                model_key="state_dict", optimizers_key="optimizer_states")
 
     strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
@@ -228,7 +213,7 @@ class LazyCheckpointIOMixin:
         path = local_path(path)
         if not is_lazyckpt_path(path):
             if not os.path.exists(os.fspath(path)):
-                _check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
+                check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
             return self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         rank = trainer.global_rank if trainer is not None else 0
         checkpoint = to_lightning_checkpoint(path, rank=rank, map_location=map_location)
