@@ -324,3 +324,33 @@ def test_resume_target_is_none_without_a_directory_and_the_newest_of_both_kinds_
     assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]).endswith("step-0000001")
     os.utime(other, (old + 10, old + 10))
     assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]) == os.fspath(other)
+
+
+def test_update_loop_requests_a_due_step_at_the_next_forward_and_a_rollback_undoes_the_update_just_made():
+    from types import SimpleNamespace
+
+    from lazyckpt.policy import UpdateLoop
+    from lazyckpt.stats import StatsLog
+
+    calls = []
+    session = SimpleNamespace(engine=SimpleNamespace(stats=StatsLog()), barrier=lambda: calls.append("barrier"))
+    loop = UpdateLoop(every_n_steps=2)
+    loop.start(session, save=lambda captured: calls.append(("save", captured.step)) or f"handle {captured.step}")
+    capture = SimpleNamespace
+
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step)) and calls == []
+    loop.forward()
+    assert calls == [] and loop.bad_step() == 2  # before the next update: that update is the bad one
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 2 is due: captured
+    assert loop.bad_step() == 2 and loop.rolled_back(0) == 0  # after it: its request is dropped, never issued
+    loop.forward()
+    assert calls == []
+
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 3
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 4, due
+    with pytest.warns(RuntimeWarning, match="no forward"):
+        loop.before_update(late="no forward ran")  # no forward between two updates: requested late, then barrier
+    assert calls == [("save", 4), "barrier"]
+    assert loop.request(lambda step: capture(step=step)) == "handle 4"  # requested already: the same handle
+    loop.restart(7)
+    assert loop.step == 7 and loop.finish(None) == {}

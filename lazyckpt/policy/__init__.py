@@ -9,6 +9,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings |
 | ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
 | ``steps`` | :class:`StepCounter`: steps from optimizer updates, when a checkpoint is due; :class:`StepRequests` |
+| ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders |
@@ -33,10 +34,11 @@ from lazyckpt.policy.rollback import (NothingToRollBackTo, Restored, RollbackPol
                                       is_nonfinite)
 from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
 from lazyckpt.policy.sharded import restore_sharded
+from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo", "Restored",
            "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote",
-           "capture_rng", "check_committed", "check_fits", "check_max_rollbacks", "checkpoint_metrics", "differences",
-           "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "project_defaults", "restore_rng",
-           "restore_sharded", "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]
+           "UpdateLoop", "capture_rng", "check_committed", "check_fits", "check_max_rollbacks", "checkpoint_metrics",
+           "differences", "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "project_defaults",
+           "restore_rng", "restore_sharded", "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]
