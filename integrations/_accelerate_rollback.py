@@ -5,7 +5,8 @@ The bad step is the update the current iteration makes (``UpdateLoop.bad_step``)
 ``rollback()`` is called before ``optimizer.step()`` (the cheap place: right after the loss is computed),
 ``hook.step`` when the update already happened (its request, not issued yet, is dropped). The target is the
 newest snapshot strictly before it. With several processes every process must call ``rollback()`` for the same
-iteration; process 0 reads the target and broadcasts it (it alone holds the replicated state, as in Accelerate's own ``save_state``).
+iteration; process 0 reads the target and broadcasts it (it alone holds the replicated state, as in Accelerate's
+own ``save_state``).
 """
 
 from __future__ import annotations

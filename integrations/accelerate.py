@@ -178,9 +178,8 @@ class LazyCheckpointHook:
                 handle.remove()
             self._handles = []
             self._loop.session.close()
-        summary = self._loop.finish(logger.info if self._run.accelerator.is_main_process else None)
-        if summary:
-            self._run.accelerator.log(summary, step=self.step)
+        accelerator = self._run.accelerator
+        self._loop.finish(logger.info if accelerator.is_main_process else None, metrics=accelerator.log)
 
     def __enter__(self) -> LazyCheckpointHook:
         return self

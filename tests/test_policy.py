@@ -354,3 +354,28 @@ def test_update_loop_requests_a_due_step_at_the_next_forward_and_a_rollback_undo
     assert loop.request(lambda step: capture(step=step)) == "handle 4"  # requested already: the same handle
     loop.restart(7)
     assert loop.step == 7 and loop.finish(None) == {}
+
+
+def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_somewhere_to_report():
+    from types import SimpleNamespace
+
+    from lazyckpt.policy import RunFeedback
+    from lazyckpt.stats import CheckpointStats
+
+    lines, metrics, saved = [], [], []
+    feedback = RunFeedback()
+    feedback.announce(3, "saved 'last.ckpt'")
+    commits = [SimpleNamespace(step=3, stats=CheckpointStats(step=3, save_s=0.004, nbytes=2 * 10**6)),
+               SimpleNamespace(step=4, stats=None)]  # a rank without the stats of that commit
+    feedback.report(commits, info=lines.append, metrics=lambda values, step: metrics.append((step, values)),
+                    each=saved.append)
+    assert lines == ["saved 'last.ckpt'"] and saved == [3, 4]
+    assert [(step, values["lazyckpt/stall_ms"], values["lazyckpt/size_mb"]) for step, values in metrics] == [
+        (3, pytest.approx(4.0), pytest.approx(2.0))]
+
+    silent = RunFeedback()  # another rank: records, reports nothing
+    silent.report(commits)
+    assert len(silent.stats) == 1
+    summary = feedback.finish(lines.append, lambda values, step: metrics.append((step, values)), step=9)
+    assert metrics[-1] == (9, summary) and lines[-1].startswith("lazyckpt: 1 checkpoints committed")
+    assert RunFeedback().finish(lines.append, lambda values, step: metrics.append(step)) == {} and len(metrics) == 2

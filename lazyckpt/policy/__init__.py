@@ -23,7 +23,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 from __future__ import annotations
 
-from lazyckpt.policy.feedback import RunFeedback, falling_behind, run_summary, summary_line
+from lazyckpt.policy.feedback import RunFeedback, checkpoint_metrics, falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.names import CheckpointNames, Committed
@@ -32,7 +32,7 @@ from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_target
 from lazyckpt.policy.rollback import (NothingToRollBackTo, Restored, RollbackPolicy, StepVote, check_max_rollbacks,
                                       is_nonfinite)
-from lazyckpt.policy.session import CheckpointSession, checkpoint_metrics
+from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.policy.sharded import restore_sharded
 from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests

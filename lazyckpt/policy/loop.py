@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic
 
-from lazyckpt.policy.feedback import RunFeedback
+from lazyckpt.policy.feedback import Metrics, RunFeedback
 from lazyckpt.policy.steps import C, StepRequests
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ class UpdateLoop(Generic[C]):
         """Count on from ``step``, restored from a state that is not a committed checkpoint of this run."""
         self.requests.restart(step, committed=False)
 
-    def finish(self, info: Callable[[str], None] | None) -> dict[str, float]:
-        """After the session closed: record the last commits and, on the rank that reports (``info`` given), the
-        run's summary as one line to ``info``; returns its metrics (empty on other ranks or without commits)."""
+    def finish(self, info: Callable[[str], None] | None, metrics: Metrics | None = None) -> dict[str, float]:
+        """After the session closed: record the last commits and, on the rank that reports (``info`` given), give
+        the run's summary to ``info`` (one line) and ``metrics`` (at the current step); returns its metrics."""
         self.feedback.follow(self.session.engine.stats)
-        return {} if info is None else self.feedback.finish(info)
+        return {} if info is None else self.feedback.finish(info, metrics, step=self.step)
