@@ -62,11 +62,10 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
                  log_stats: bool = True, keep_in_memory: bool = False, rollback_on_nonfinite: bool = False,
                  **kwargs: Any) -> None:
-        ours, kwargs = SessionOptions.split(kwargs)
         engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
                   "keep_in_memory": keep_in_memory, **(engine_options or {})}
-        options = SessionOptions(owner="LazyCheckpoint", source="the trainer", keep_last_k=keep_last_k,
-                                 engine=engine, **ours)
+        options, kwargs = SessionOptions.from_keywords(kwargs, owner="LazyCheckpoint", source="the trainer",
+                                                       keep_last_k=keep_last_k, engine=engine)
         dirpath, self.options = url_dirpath_levels(dirpath, options)  # ModelCheckpoint's names need a local dir
         super().__init__(dirpath=dirpath, **kwargs)
         LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)

@@ -56,9 +56,8 @@ class LazyCheckpointHook:
 
     def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, every_n_steps: int | None = None,
                  keep_last_k: int | None = None, **options: Any) -> None:
-        ours, engine = SessionOptions.split(options)
-        self.options = SessionOptions(owner="LazyCheckpointHook", source="the accelerator in hook.register()",
-                                      keep_last_k=keep_last_k, engine=engine, **ours)
+        self.options, _ = SessionOptions.from_keywords(options, owner="LazyCheckpointHook", keep_last_k=keep_last_k,
+                                                       source="the accelerator in hook.register()")
         self.dirpath = normalize_dirpath(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self._run: PreparedRun | None = None

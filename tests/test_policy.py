@@ -43,9 +43,14 @@ def test_engine_objects_pass_through_validation_untouched():
     assert opts.engine_arguments(rank=0, world_size=1, retention=True)["keep_last_k"] == 2
 
 
-def test_split_separates_session_options_from_the_rest():
-    ours, rest = SessionOptions.split({"keep_last_k": 3, "monitor": "val_loss", "engine": {}, "owner": "x"})
-    assert ours == {"keep_last_k": 3} and rest == {"monitor": "val_loss", "engine": {}, "owner": "x"}
+def test_from_keywords_takes_the_session_options_and_leaves_the_rest_to_the_framework_or_the_engine():
+    keywords = {"max_rollbacks": 1, "monitor": "val_loss", "owner": "x"}
+    options, rest = SessionOptions.from_keywords(keywords, owner="X", source="s", keep_last_k=3, engine={"fsync": False})
+    assert (options.max_rollbacks, options.keep_last_k, options.owner) == (1, 3, "X")
+    assert options.engine == {"fsync": False} and rest == {"monitor": "val_loss", "owner": "x"}
+    options, rest = SessionOptions.from_keywords({"max_rollbacks": 1, "fsync": False}, owner="X", source="s",
+                                                 keep_last_k=None)
+    assert options.max_rollbacks == 1 and options.engine == {"fsync": False} and rest == {}
 
 
 def test_a_step_completes_when_every_optimizer_has_updated():
