@@ -35,4 +35,6 @@ def test_the_soak_reports_a_structure_that_grows_per_checkpoint(tmp_path, monkey
     held, load = [], lazyckpt.load
     monkeypatch.setattr(lazyckpt, "load", lambda path: held.append([path]) or load(path))
     result = soak(str(tmp_path), checkpoints=40, warmup=10, sample_every=10)
-    assert result["violations"] == ["30 more live list objects"], result
+    (violation,) = result["violations"]  # the 30 planted lists, give or take what the test process holds
+    count, rest = violation.split(" ", 1)
+    assert rest == "more live list objects" and int(count) >= 30, result
