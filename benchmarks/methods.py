@@ -266,13 +266,14 @@ class LazyEngine(Method):
     key, label, kind = "lazyckpt", "lazyckpt LazyCheckpointer", "lazyckpt"
     modules = ("lazyckpt",)
     storage_options: dict[str, Any] = {}
+    engine_options: dict[str, Any] = {}
 
     def setup(self, run: Run) -> None:
         super().setup(run)
         import lazyckpt
 
         self.storage = _timed_storage(**self.storage_options)
-        self.ckpt = lazyckpt.LazyCheckpointer(run.dirpath, fsync=True, storage=self.storage)
+        self.ckpt = lazyckpt.LazyCheckpointer(run.dirpath, fsync=True, storage=self.storage, **self.engine_options)
         self.pending = None
 
     def request(self, step: int) -> None:
@@ -312,6 +313,13 @@ class LazyEngineBuffered(LazyEngine):
             _timed_storage(**self.storage_options)
         except TypeError as e:
             raise Unavailable(f"this engine's LocalStorage has no direct_io option ({e})") from e
+
+
+class LazyEngineSerial(LazyEngine):
+    """Diagnostic: one checkpoint in flight (``max_in_flight=1``): each ``save()`` first waits for the previous commit."""
+
+    key, label, kind = "lazyckpt_serial", "lazyckpt LazyCheckpointer, one in flight (diagnostic)", "diagnostic"
+    engine_options = {"max_in_flight": 1}
 
 
 def lazy_path(dirpath: str, step: int) -> str:
