@@ -315,11 +315,11 @@ class LazyEngineBuffered(LazyEngine):
             raise Unavailable(f"this engine's LocalStorage has no direct_io option ({e})") from e
 
 
-class LazyEngineSerial(LazyEngine):
-    """Diagnostic: one checkpoint in flight (``max_in_flight=1``): each ``save()`` first waits for the previous commit."""
+class LazyEngineTwoInFlight(LazyEngine):
+    """The engine with ``max_in_flight=2``: the next checkpoint is copied while the previous one is written."""
 
-    key, label, kind = "lazyckpt_serial", "lazyckpt LazyCheckpointer, one in flight (diagnostic)", "diagnostic"
-    engine_options = {"max_in_flight": 1}
+    key, label = "lazyckpt_two", "lazyckpt LazyCheckpointer, max_in_flight=2"
+    engine_options = {"max_in_flight": 2}
 
 
 def lazy_path(dirpath: str, step: int) -> str:

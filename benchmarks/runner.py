@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from floors import RawDirect, RawFloor, RawPaced  # noqa: E402
 from frameworks import AccelerateSaveState, LazyHook, LazyLightning, LightningAsync, LightningSync  # noqa: E402
 from methods import (  # noqa: E402
-    DcpStager, DcpThread, LazyEngine, LazyEngineBuffered, LazyEngineSerial, Method, NoCheckpoint,
+    DcpStager, DcpThread, LazyEngine, LazyEngineBuffered, LazyEngineTwoInFlight, Method, NoCheckpoint,
     NoCheckpointAccelerate, NoCheckpointTrainer, Run, TorchSave, Unavailable)
 from workload import (  # noqa: E402
     Batches, RssSampler, Workload, build_model, compare, evict_from_page_cache, lm_loss, make_optimizer, median,
@@ -62,7 +62,7 @@ from workload import (  # noqa: E402
 
 METHODS: dict[str, type[Method]] = {cls.key: cls for cls in (
     NoCheckpoint, RawFloor, RawDirect, RawPaced, TorchSave, DcpThread, DcpStager, LazyEngine, LazyEngineBuffered,
-    LazyEngineSerial, NoCheckpointTrainer, LightningSync, LightningAsync, LazyLightning,
+    LazyEngineTwoInFlight, NoCheckpointTrainer, LightningSync, LightningAsync, LazyLightning,
     NoCheckpointAccelerate, AccelerateSaveState, LazyHook,
 )}
 """Every method, in table order."""

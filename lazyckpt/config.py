@@ -68,13 +68,14 @@ class CheckpointConfig:
     on_busy: OnBusy | str = OnBusy.WAIT
     """``"wait"`` or ``"skip"`` (see :class:`OnBusy`): what a ``save()`` does while ``max_in_flight`` checkpoints
     are uncommitted (or, for ``"skip"``, while the newest is still being copied)."""
-    max_in_flight: int = 2
-    """How many checkpoints may be requested and not yet committed at once. With 2, the next checkpoint is
-    captured and copied while the previous one is still written and committed (commits stay in step order), so a
-    checkpoint every step costs the slower of copy and write instead of their sum. Both share the host pool
-    (``host_buffer_bytes``): the next copy takes slots as the writer frees them, so memory stays at the budget;
-    a budget of two checkpoints lets that copy never wait for the writer. 1: ``save()`` first waits until the
-    previous checkpoint is committed."""
+    max_in_flight: int = 1
+    """How many checkpoints may be requested and not yet committed at once. 1: ``save()`` first waits until the
+    previous checkpoint is committed, so a crash after ``save()`` returned leaves the previous one committed. 2: the
+    next checkpoint is captured and copied while the previous one is still written and committed (commits stay in
+    step order), so checkpointing more often than the writer keeps up with costs the slower of copy and write
+    instead of their sum; a crash may then lose both. Both share the host pool (``host_buffer_bytes``): the next
+    copy takes slots as the writer frees them, so memory stays at the budget; a budget of two checkpoints lets that
+    copy never wait for the writer."""
     rank: int = 0
     """This process's rank; each rank writes its own tensor file."""
     world_size: int = 1

@@ -34,7 +34,8 @@ CHILD = textwrap.dedent("""
 
     torch.manual_seed(0)
     storage = StallingStorage()
-    ckpt = lazyckpt.LazyCheckpointer(sys.argv[1], storage=storage, host_buffer_bytes=16 << 20)
+    ckpt = lazyckpt.LazyCheckpointer(sys.argv[1], storage=storage, host_buffer_bytes=16 << 20,
+                                     max_in_flight=last - 1)
     ckpt.save({"w": torch.randn(300_000), "step": 1}, step=1).wait()
     storage.armed = True
     for step in range(2, last + 1):

@@ -21,7 +21,8 @@ from lazyckpt.storage import LocalStorage
 from test_lifecycle import _job
 
 BOUND = 30.0  # seconds a wait may take before the test calls it a hang
-TWO_SLOTS = 16 << 20  # a host budget that holds both checkpoints of the small model (one 8 MiB slot each)
+TWO_IN_FLIGHT = {"max_in_flight": 2, "host_buffer_bytes": 16 << 20}
+"""Two checkpoints in flight, and a host budget that holds both of the small model (one 8 MiB slot each)."""
 
 
 class HeldStorage(LocalStorage):
@@ -70,7 +71,7 @@ def _two_in_flight(ckpt, model, opt):
 def test_the_next_checkpoint_is_copied_while_the_previous_one_is_still_written(tmp_path, trained):
     model, opt = trained
     storage = HeldStorage(held_step=1)
-    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=TWO_SLOTS) as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, **TWO_IN_FLIGHT) as ckpt:
         first, second, first_state, second_state = _two_in_flight(ckpt, model, opt)
         assert storage.holding.wait(BOUND)
         ckpt.wait_staged()  # step 2's copy finishes although step 1 is not written yet
@@ -88,7 +89,7 @@ def test_the_next_checkpoint_is_copied_while_the_previous_one_is_still_written(t
 def test_a_budget_of_one_slot_shares_it_between_both_checkpoints(tmp_path, trained):
     model, opt = trained
     storage = HeldStorage(held_step=1)
-    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=8 << 20) as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=8 << 20, max_in_flight=2) as ckpt:
         first, second, first_state, second_state = _two_in_flight(ckpt, model, opt)
         assert storage.holding.wait(BOUND)
         assert not second._job.wait_staged(timeout=0), "step 1's unwritten bytes still hold the only slot"
@@ -106,7 +107,7 @@ def test_a_failure_of_the_first_reaches_the_next_call_and_the_second_still_commi
     model, opt = trained
     error = OSError(errno.EIO, "Input/output error (injected)")
     storage = HeldStorage(held_step=1, error=error)
-    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=TWO_SLOTS) as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, **TWO_IN_FLIGHT) as ckpt:
         first, second, _, second_state = _two_in_flight(ckpt, model, opt)
         storage.release.set()
         assert first._job.wait_done(BOUND) and first.failed
@@ -124,7 +125,7 @@ def test_a_failure_of_the_first_reaches_the_next_call_and_the_second_still_commi
 def test_close_drains_both_checkpoints(tmp_path, trained):
     model, opt = trained
     storage = HeldStorage(held_step=1)
-    ckpt = lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=TWO_SLOTS)
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, storage=storage, **TWO_IN_FLIGHT)
     first, second, _, _ = _two_in_flight(ckpt, model, opt)
     storage.release.set()
     ckpt.close()
@@ -135,7 +136,7 @@ def test_close_drains_both_checkpoints(tmp_path, trained):
 def test_skip_accepts_a_request_while_the_previous_one_is_only_being_written(tmp_path, trained):
     model, opt = trained
     storage = HeldStorage(held_step=1)
-    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, host_buffer_bytes=TWO_SLOTS, on_busy="skip") as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, storage=storage, on_busy="skip", **TWO_IN_FLIGHT) as ckpt:
         first, second, _, _ = _two_in_flight(ckpt, model, opt)
         assert not second.skipped
         with pytest.warns(RuntimeWarning, match="skipped the checkpoint of step 3"):
@@ -147,7 +148,7 @@ def test_skip_accepts_a_request_while_the_previous_one_is_only_being_written(tmp
 
 def test_a_step_not_above_the_one_in_flight_waits_for_it_and_is_checked_against_it(tmp_path, trained):
     model, opt = trained
-    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, max_in_flight=2) as ckpt:
         first = ckpt.save(snapshot(model, opt), step=5, optimizers=[opt])
         with pytest.raises(lazyckpt.StepOrderError, match="step 3 is lower"):
             ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
