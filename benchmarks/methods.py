@@ -322,6 +322,14 @@ class LazyEngineTwoInFlight(LazyEngine):
     engine_options = {"max_in_flight": 2}
 
 
+class LazyEngineTwoPools(LazyEngine):
+    """Diagnostic: ``max_in_flight=2`` with a host budget that holds two checkpoints of the default workload, so
+    the next copy never waits for the writer to free a slot."""
+
+    key, label, kind = "lazyckpt_two_pool", "lazyckpt, max_in_flight=2, 640 MiB pool (diagnostic)", "diagnostic"
+    engine_options = {"max_in_flight": 2, "host_buffer_bytes": 640 << 20}
+
+
 def lazy_path(dirpath: str, step: int) -> str:
     import lazyckpt
 
