@@ -9,6 +9,7 @@ Usage:
     python benchmarks/compare.py                                  # the default benchmark (~15 minutes, 2 cores)
     python benchmarks/compare.py --quick                          # under 2 minutes, a smaller model
     python benchmarks/compare.py --json out.json --plots docs/img --every 1 --methods none,raw,lazyckpt
+    python benchmarks/compare.py --world-size 2 --checkpoints 3 --repeats 2   # FSDP2 and DDP on 2 gloo ranks
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write machine, config and per-method results to this file")
     p.add_argument("--plots", help="write the stall bar chart and the lazyckpt timeline (PNG) to this directory")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before one run is killed")
+    p.add_argument("--world-size", type=int, help="run the distributed methods (FSDP2, DDP) on this many gloo "
+                   "ranks on CPU instead of the single-process ones (dist_compare.py)")
     p.add_argument("--from-json", help="do not run: re-aggregate and re-plot the runs of an earlier --json file")
     args = p.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.threads is None:
-        args.threads = default_threads()
+    if args.threads is None:  # ranks share the cores: each gets its share, as a launcher would set it
+        args.threads = max(1, default_threads() // (args.world_size or 1))
+    if args.world_size is not None and (args.world_size < 1 or args.from_json):
+        p.error("--world-size must be >= 1 and cannot be combined with --from-json")
     if args.every < 1 or args.checkpoints < 1 or args.repeats < 1 or args.threads < 1:
         p.error("--every, --checkpoints, --repeats and --threads must be >= 1")
     return args
@@ -226,30 +231,60 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
         return republish(args)
+    if args.world_size is not None:
+        return distributed(args)
     from runner import BASELINE_FOR, METHODS, make_reference
 
     if args.list:
-        for key, cls in METHODS.items():
-            print(f"{key:24s} {cls.label} [{cls.driver}]")
-        return 0
-    keys = list(METHODS) if not args.methods else [k.strip() for k in args.methods.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    for key in list(keys):  # every driver used needs its no-checkpoint baseline
-        base = BASELINE_FOR[METHODS[key].driver]
-        if base not in keys:
-            keys.insert(0, base)
-    workload = Workload(params_m=args.params_m, batch=args.batch, seq=args.seq, threads=args.threads,
-                        every=args.every, checkpoints=args.checkpoints, seed=args.seed, adamw=args.adamw)
-    if args.workdir:
-        os.makedirs(args.workdir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="lazyckpt-bench-", dir=args.workdir)
+        return list_methods(METHODS)
+    keys = chosen_keys(args.methods, METHODS, BASELINE_FOR)
+    workload = workload_of(args)
+    root = work_root(args, "lazyckpt-bench-")
     started = time.monotonic()
     try:
         return _benchmark(args, workload, keys, root, METHODS, BASELINE_FOR, make_reference, started)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def list_methods(methods: dict) -> int:
+    for key, cls in methods.items():
+        print(f"{key:24s} {cls.label} [{cls.driver}]")
+    return 0
+
+
+def chosen_keys(requested: str | None, methods: dict, baseline_for: dict[str, str]) -> list[str]:
+    """The requested method keys (default: all), with the no-checkpoint baseline of every driver used."""
+    keys = list(methods) if not requested else [k.strip() for k in requested.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in methods]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {list(methods)}")
+    for key in list(keys):
+        base = baseline_for[methods[key].driver]
+        if base not in keys:
+            keys.insert(0, base)
+    return keys
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(params_m=args.params_m, batch=args.batch, seq=args.seq, threads=args.threads,
+                    every=args.every, checkpoints=args.checkpoints, seed=args.seed, adamw=args.adamw)
+
+
+def work_root(args: argparse.Namespace, prefix: str) -> str:
+    """A fresh directory for the runs' checkpoints, under ``--workdir`` when given (the caller removes it)."""
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=args.workdir)
+
+
+def distributed(args: argparse.Namespace) -> int:
+    import dist_compare
+    from dist_methods import DIST_METHODS
+
+    if args.list:
+        return list_methods(DIST_METHODS)
+    return dist_compare.main(args, machine_info)
 
 
 def _benchmark(args, workload, keys, root, methods, baseline_for, make_reference, started) -> int:
@@ -306,19 +341,25 @@ def publish(args: argparse.Namespace, machine: dict, config: dict, runs: list[di
     nbytes = config["state_bytes"]
     entries = aggregate([methods[k] for k in methods if k in config["methods"]], runs, nbytes, baseline_for)
     targets = check_targets(entries, nbytes)
-    print(f"\n{config['parameters'] / 1e6:.1f}M parameters, {nbytes / MiB:.0f} MiB state; checkpoint every "
-          f"{config['every']} steps; medians (min–max) over {config['repeats']} repeat(s)\n")
-    print(markdown_table(entries))
-    if targets:
-        print("\nTargets:\n")
-        print(targets_table(targets, entries))
+    emit(args, f"{config['parameters'] / 1e6:.1f}M parameters, {nbytes / MiB:.0f} MiB state; checkpoint every "
+         f"{config['every']} steps; medians (min–max) over {config['repeats']} repeat(s)", markdown_table(entries),
+         targets, entries, {"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs})
     if args.plots:
         for path in write_plots(entries, runs, args.plots):
             log(f"wrote {path}")
+
+
+def emit(args: argparse.Namespace, heading: str, table: str, targets: dict, entries: list[dict],
+         document: dict) -> None:
+    """Print the heading, the results table and the targets; write ``document`` to ``--json``."""
+    print(f"\n{heading}\n")
+    print(table)
+    if targets:
+        print("\nTargets:\n")
+        print(targets_table(targets, entries))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs},
-                      f, indent=1)
+            json.dump(document, f, indent=1)
         log(f"wrote {args.json}")
 
 

@@ -60,6 +60,10 @@ class Method:
             except Exception as e:  # noqa: BLE001 - any import failure makes the method unavailable
                 raise Unavailable(f"import {name} failed: {type(e).__name__}: {e}") from e
 
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as the driver trains it (the distributed methods shard or replicate it here)."""
+        return model
+
     def setup(self, run: Run) -> None:
         self.run = run
 

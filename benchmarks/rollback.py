@@ -17,7 +17,7 @@ keeping the snapshot must not change it. Every restored state is compared bit fo
 Usage:
     python benchmarks/rollback.py                 # the default workload (25M parameters), 3 repeats
     python benchmarks/rollback.py --params-m 4 --repeats 1   # quick
-    OMP_NUM_THREADS=1 python benchmarks/rollback.py          # torch (and the restore) on one thread
+    python benchmarks/rollback.py --threads 1               # torch (and the memory restore) on one thread
 """
 
 from __future__ import annotations
@@ -102,12 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=Workload.every)
     parser.add_argument("--checkpoints", type=int, default=4, help="checkpoints before the bad step")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads (default: torch's default for this machine)")
     parser.add_argument("--json", help="write the raw runs here")
     args = parser.parse_args(argv)
-    w = Workload(params_m=args.params_m, every=args.every, threads=torch.get_num_threads())
+    w = Workload(params_m=args.params_m, every=args.every, threads=args.threads)
     set_threads(w)
     bad_step = args.every * args.checkpoints + 2  # between two checkpoints
     runs: dict[str, list] = {"memory": [], "disk": [], "restart": []}
+    load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
         for keep in (True, False):
             with tempfile.TemporaryDirectory() as tmp:
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 if not keep:
                     runs["restart"].append({"rollback_s": restart(w, tmp)})
     _report(runs, w, bad_step)
+    print(f"load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": asdict(w), "bad_step": bad_step, "runs": runs}, f, indent=1)

@@ -134,7 +134,7 @@ class Recorder:
 
 def run_loop(w: Workload, method: Method, dirpath: str, rec: Recorder) -> Run:
     """A plain PyTorch loop (optionally through ``accelerate.Accelerator``) calling the method's interface."""
-    model = build_model(w)
+    model = method.wrap(build_model(w))
     opt = make_optimizer(w, model.parameters())
     data = Batches(w)
     accelerator = None

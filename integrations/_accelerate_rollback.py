@@ -1,18 +1,19 @@
 """``LazyCheckpointHook.rollback()``: translates an Accelerate loop's state into the policy layer's
 :class:`~lazyckpt.policy.RollbackPolicy` (which decides), and its outcome back into the prepared objects.
 
-The bad step is the update the current iteration makes: ``hook.step + 1`` when ``rollback()`` is called before
-``optimizer.step()`` (the cheap place: right after the loss is computed), ``hook.step`` when the update already
-happened (its request, not issued yet, is dropped). The target is the newest snapshot strictly before it. With
-several processes every process must call ``rollback()`` for the same iteration; process 0 reads the target and
-broadcasts it (it alone holds the replicated state, as in Accelerate's own ``save_state``).
+The bad step is the update the current iteration makes (``UpdateLoop.bad_step``): ``hook.step + 1`` when
+``rollback()`` is called before ``optimizer.step()`` (the cheap place: right after the loss is computed),
+``hook.step`` when the update already happened (its request, not issued yet, is dropped). The target is the
+newest snapshot strictly before it. With several processes every process must call ``rollback()`` for the same
+iteration; process 0 reads the target and broadcasts it (it alone holds the replicated state, as in Accelerate's
+own ``save_state``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
+from lazyckpt.policy import CheckpointSession, NothingToRollBackTo, Restored, RollbackPolicy
 
 from ._accelerate_state import PreparedRun
 
@@ -24,11 +25,8 @@ class AccelerateRollback:
         accelerator = run.accelerator
         self.run = run
         self.keep_start = session.engine.config.keep_in_memory
-        self.policy = RollbackPolicy(session.engine, max_rollbacks=session.options.max_rollbacks,
-                                     is_source=accelerator.process_index == 0,
-                                     share=_broadcast if accelerator.num_processes > 1 else None)
-        self.stepped = False
-        """True between a completed optimizer update and the next forward of a prepared model."""
+        self.policy = RollbackPolicy.of_session(session, is_source=accelerator.process_index == 0,
+                                                share=_broadcast if accelerator.num_processes > 1 else None)
 
     def remember_start(self, step: int) -> None:
         """The state now is the target before the first snapshot (kept only with ``keep_in_memory=True``: a
@@ -37,23 +35,15 @@ class AccelerateRollback:
             self.policy.remember_start(step, self.run.replicated())
 
     def on_step(self) -> None:
-        self.stepped = True
         self.policy.drop_start_once_committed()
-
-    def bad_step(self, step: int) -> int:
-        """The step whose update is bad, given the hook's step counter now."""
-        return step if self.stepped else step + 1
 
     def roll_back(self, bad_step: int) -> int | None:
         """Restore the newest state before ``bad_step``; its step, or None when there is none."""
         try:
-            restored = self.policy.roll_back(bad_step=bad_step, into=self.run.replicated())
-        except LookupError:
+            restored = self.policy.restore(bad_step, live=self.run.replicated(), load=self.run.restore_replicated,
+                                           optimizers=self.run.optimizers)
+        except NothingToRollBackTo:
             return None
-        self.run.restore_replicated(restored.state)
-        for optimizer in self.run.optimizers:
-            optimizer.zero_grad(set_to_none=True)  # the bad step's gradients must not leak into the next one
-        self.stepped = False
         return restored.step
 
 

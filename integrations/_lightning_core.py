@@ -17,7 +17,7 @@ from typing_extensions import override
 import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, RunFeedback,
-                             SessionOptions, checkpoint_metrics, url_dirpath_levels)
+                             SessionOptions, url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -62,11 +62,10 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
                  log_stats: bool = True, keep_in_memory: bool = False, rollback_on_nonfinite: bool = False,
                  **kwargs: Any) -> None:
-        ours, kwargs = SessionOptions.split(kwargs)
         engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
                   "keep_in_memory": keep_in_memory, **(engine_options or {})}
-        options = SessionOptions(owner="LazyCheckpoint", source="the trainer", keep_last_k=keep_last_k,
-                                 engine=engine, **ours)
+        options, kwargs = SessionOptions.from_keywords(kwargs, owner="LazyCheckpoint", source="the trainer",
+                                                       keep_last_k=keep_last_k, engine=engine)
         dirpath, self.options = url_dirpath_levels(dirpath, options)  # ModelCheckpoint's names need a local dir
         super().__init__(dirpath=dirpath, **kwargs)
         LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)
@@ -181,9 +180,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         self._submit(trainer)
         self._poll(trainer, block=True)
         if trainer.is_global_zero:
-            summary = self._feedback.finish(info=lambda line: _rank_zero_info(self._namespace, line))
-            for lg in trainer.loggers if summary and self.log_stats else ():
-                lg.log_metrics(summary, step=trainer.global_step)
+            self._feedback.finish(self._info, self._log_metrics if self.log_stats else None, step=trainer.global_step)
 
     def wait_staged(self) -> None:
         """The barrier: return once the in-flight snapshot no longer reads the live tensors."""
@@ -221,16 +218,20 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     def _report(self, trainer: Any, committed: list[Committed]) -> None:
         """After commits: keep their stats; rank 0 logs them and tells the loggers a checkpoint exists."""
-        for done in committed:
-            announced = self._feedback.committed(done.step, done.stats)
-            if trainer is None or not trainer.is_global_zero:
-                continue
-            for message in announced:
-                _rank_zero_info(self._namespace, message)
-            for lg in trainer.loggers:
-                if done.stats is not None and self.log_stats:
-                    lg.log_metrics(checkpoint_metrics(done.stats), step=done.step)
-                lg.after_save_checkpoint(proxy(self))
+        zero = trainer is not None and trainer.is_global_zero
+        self._feedback.report(committed, info=self._info if zero else None, each=self._after_save,
+                              metrics=self._log_metrics if self.log_stats else None)
+
+    def _info(self, message: str) -> None:
+        _rank_zero_info(self._namespace, message)
+
+    def _log_metrics(self, values: dict[str, float], step: int) -> None:
+        for lg in self.trainer.loggers:
+            lg.log_metrics(values, step=step)
+
+    def _after_save(self, step: int) -> None:
+        for lg in self.trainer.loggers:
+            lg.after_save_checkpoint(proxy(self))
 
 
 def _no_trainer() -> None:

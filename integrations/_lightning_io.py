@@ -1,6 +1,7 @@
-"""The Lightning checkpoint dict and lazyckpt: reading lazyckpt checkpoints as Lightning checkpoint dicts,
-exporting them to plain ``.ckpt`` files, loading weights into a module, the per-rank RNG states, the lazy request
-of a step, and the CheckpointIO that resume goes through.
+"""The Lightning checkpoint dict and lazyckpt: loading weights into a module, the per-rank RNG states, the lazy
+request of a step, and the CheckpointIO that resume goes through. Reading a lazyckpt checkpoint as a Lightning
+checkpoint dict and exporting it to a plain ``.ckpt`` file are :mod:`lazyckpt.lightning_format` and
+:mod:`lazyckpt.export` (the CLI uses them too); this module's names for them are the public ones.
 
 Nothing here imports ``lightning`` or ``pytorch_lightning``; the two bindings add their base classes.
 
@@ -25,23 +26,21 @@ import torch
 
 import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, StepAlreadyCommittedError
-from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng,
-                             restore_sharded)
-from lazyckpt.plain import weights_only_safe
+from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.export import export_lightning as export_checkpoint
+from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
+from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_committed, check_fits, find_generators,
+                             restore_rng, restore_sharded)
 
 from . import _compat
 
 logger = logging.getLogger(__name__)
 
-EXTRA_KEY = "lazyckpt"
-"""Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
-LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
 URL_PREFIX = "lazyckpt://"
 """``lazyckpt://<path>`` names a checkpoint for Lightning's fsspec-based loading (see ``integrations/url.py``)."""
 
 
-# ------------------------------------------------------------------------------------------ reading and exporting
+# ------------------------------------------------------------------------------------------ reading
 def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
     """True for a directory (or an alias symlink to one); lazyckpt checkpoints are directories."""
     return os.path.isdir(os.fspath(path))
@@ -51,74 +50,6 @@ def local_path(url: str | os.PathLike[str]) -> str:
     """The checkpoint path a ``lazyckpt://`` URL names (a plain path is returned as it is)."""
     text = os.fspath(url)
     return text[len(URL_PREFIX):] if text.startswith(URL_PREFIX) else text
-
-
-def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None,
-                            map_location: Any = None, verify: bool = True) -> dict[str, Any]:
-    """The Lightning checkpoint dict stored in a lazyckpt checkpoint written by ``LazyCheckpoint``.
-
-    Args:
-        path: a committed ``step-NNNNNNN`` directory or an alias (``last.ckpt``, ``epoch=1-step=40.ckpt``).
-        rank: whose RNG states to attach (DDP writes one small file per rank); default rank 0.
-        map_location: device for the tensors (default CPU).
-        verify: check checksums while reading.
-
-    Raises:
-        CheckpointNotFoundError: ``path`` is missing, partial (uncommitted) or a directory of checkpoints.
-        CheckpointFormatError: it is a lazyckpt checkpoint but not a Lightning one, or its files are damaged.
-    """
-    path = _check_committed(os.fspath(path))
-    state = lazyckpt.load(path, map_location=map_location, verify=verify)
-    if not isinstance(state, dict) or any(k not in state for k in LIGHTNING_KEYS):
-        found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
-        raise CheckpointFormatError(f"{path} is a lazyckpt checkpoint but not a Lightning one (it has {found}, "
-                                    f"not {list(LIGHTNING_KEYS)}); load it with lazyckpt.load() instead")
-    extra = state.get(EXTRA_KEY)
-    if rank and isinstance(extra, dict):
-        extra["rng"] = _rank_rng(path, rank, verify)
-    return state
-
-
-def _rank_rng(path: str, rank: int, verify: bool) -> dict[str, Any] | None:
-    try:
-        return lazyckpt.load(path, rank=rank, verify=verify)[EXTRA_KEY]["rng"]
-    except ValueError:  # saved by fewer ranks than read it now
-        warnings.warn(f"lazyckpt: {path} holds no RNG state for rank {rank} (it was saved by fewer ranks); "
-                      "that rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
-        return None
-
-
-def _check_committed(path: str) -> str:
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")):
-        newest = lazyckpt.latest(path)
-        if newest is not None:
-            raise CheckpointNotFoundError(
-                f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
-                "(or pass ckpt_path='last')")
-    if not os.path.exists(path):
-        hint = " It is still partial (never committed)." if os.path.isdir(path + ".partial") else ""
-        newest = lazyckpt.latest(os.path.dirname(path) or ".")
-        raise CheckpointNotFoundError(f"lazyckpt checkpoint {path} does not exist.{hint}"
-                                      + (f" The newest committed checkpoint there is {newest}." if newest else ""))
-    return path
-
-
-def export_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *,
-                      verify: bool = True) -> str:
-    """Write a lazyckpt checkpoint as a plain Lightning ``.ckpt`` file (atomically) and return its path.
-
-    The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
-    ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it:
-    a ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved
-    container (see ``lazyckpt.plain``).
-    """
-    checkpoint = weights_only_safe(to_lightning_checkpoint(path, verify=verify))
-    out_file = os.fspath(out_file)
-    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
-    tmp = f"{out_file}.tmp"
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, out_file)
-    return out_file
 
 
 def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True,
@@ -131,10 +62,7 @@ def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], *, stric
 
 def load_from_checkpoint(cls: type, path: str | os.PathLike[str], **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint`` for a lazyckpt checkpoint (hyper-parameters included); ``kwargs`` go to it."""
-    buffer = io.BytesIO()
-    torch.save(weights_only_safe(to_lightning_checkpoint(path)), buffer)
-    buffer.seek(0)
-    return cls.load_from_checkpoint(buffer, **kwargs)
+    return cls.load_from_checkpoint(io.BytesIO(lightning_checkpoint_bytes(path)), **kwargs)
 
 
 # ------------------------------------------------------------------------------------------ the run's own state
@@ -169,7 +97,7 @@ def route_sharded_loads(strategy: Any) -> None:
         path = local_path(strategy.broadcast(checkpoint_path))
         if not is_lazyckpt_path(path):
             return own(checkpoint_path, weights_only=weights_only)
-        return restore_sharded(_check_committed(path), strategy.model, strategy.optimizers,
+        return restore_sharded(check_committed(path), strategy.model, strategy.optimizers,
                                model_key="state_dict", optimizers_key="optimizer_states")
 
     strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
@@ -228,7 +156,7 @@ class LazyCheckpointIOMixin:
         path = local_path(path)
         if not is_lazyckpt_path(path):
             if not os.path.exists(os.fspath(path)):
-                _check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
+                check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
             return self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         rank = trainer.global_rank if trainer is not None else 0
         checkpoint = to_lightning_checkpoint(path, rank=rank, map_location=map_location)

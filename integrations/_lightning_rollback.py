@@ -27,8 +27,7 @@ class LightningRollback:
 
     def __init__(self, session: CheckpointSession, trainer: Any) -> None:
         share = (lambda restored: trainer.strategy.broadcast(restored, src=0)) if trainer.world_size > 1 else None
-        self.policy = RollbackPolicy(session.engine, max_rollbacks=session.options.max_rollbacks,
-                                     is_source=trainer.is_global_zero, share=share)
+        self.policy = RollbackPolicy.of_session(session, is_source=trainer.is_global_zero, share=share)
         self.vote = StepVote(trainer.global_step)
 
     @staticmethod
@@ -55,8 +54,9 @@ class LightningRollback:
         if not trainer.strategy.reduce_boolean_decision(mine, all=False):
             self.policy.drop_start_once_committed()
             return False
-        restored = self.policy.roll_back(bad_step=trainer.global_step, into=training_state(trainer))
-        load_training_state(trainer, restored.state)
+        restored = self.policy.restore(trainer.global_step, live=training_state(trainer),
+                                       load=lambda state: load_training_state(trainer, state),
+                                       optimizers=trainer.optimizers)
         self._report(trainer, restored)
         return True
 
@@ -89,5 +89,3 @@ def load_training_state(trainer: Any, checkpoint: dict[str, Any]) -> None:
         config.scheduler.load_state_dict(saved)
     if type(precision).__qualname__ in checkpoint:
         precision.load_state_dict(checkpoint[type(precision).__qualname__])
-    for optimizer in trainer.optimizers:
-        optimizer.zero_grad(set_to_none=True)  # the bad step's gradients must not leak into the next one

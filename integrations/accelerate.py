@@ -23,7 +23,7 @@ import torch
 
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.policy import CheckpointSession, RunFeedback, SessionOptions, StepRequests, project_defaults
+from lazyckpt.policy import CheckpointSession, SessionOptions, UpdateLoop, project_defaults
 from lazyckpt.preflight import check_storable
 
 from . import _compat
@@ -56,37 +56,34 @@ class LazyCheckpointHook:
 
     def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, every_n_steps: int | None = None,
                  keep_last_k: int | None = None, **options: Any) -> None:
-        ours, engine = SessionOptions.split(options)
-        self.options = SessionOptions(owner="LazyCheckpointHook", source="the accelerator in hook.register()",
-                                      keep_last_k=keep_last_k, engine=engine, **ours)
+        self.options, _ = SessionOptions.from_keywords(options, owner="LazyCheckpointHook", keep_last_k=keep_last_k,
+                                                       source="the accelerator in hook.register()")
         self.dirpath = normalize_dirpath(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
-        self._session: CheckpointSession | None = None
         self._run: PreparedRun | None = None
         self._rollback: AccelerateRollback | None = None
         self._handles: list[Any] = []
         self._closed = False
-        self._requests: StepRequests[Boundary] = StepRequests(every_n_steps)
-        self._feedback = RunFeedback()
+        self._loop: UpdateLoop[Boundary] = UpdateLoop(every_n_steps)
 
     # --- the public surface ---------------------------------------------------------------------------------
 
     @property
     def step(self) -> int:
         """Optimizer updates counted so far (restored by :meth:`resume`)."""
-        return self._requests.step
+        return self._loop.step
 
     @property
     def checkpointer(self) -> LazyCheckpointer:
         """The engine (its ``stats`` list the committed checkpoints); exists after :meth:`register`."""
-        if self._session is None:
+        if self._loop.session is None:
             raise RuntimeError("call hook.register(accelerator) before using hook.checkpointer")
-        return self._session.engine
+        return self._loop.session.engine
 
     @property
     def stalls(self) -> dict[int, float]:
         """Training-thread seconds each checkpoint cost, by step: capture, request and barrier wait."""
-        return {} if self._session is None else self._session.stalls
+        return {} if self._loop.session is None else self._loop.session.stalls
 
     def register(self, accelerator: Accelerator) -> LazyCheckpointHook:
         """Hook every prepared model and optimizer of ``accelerator``; call it after ``accelerator.prepare``.
@@ -108,12 +105,15 @@ class LazyCheckpointHook:
         run = PreparedRun.of(accelerator, self)
         check_storable(run.replicated(), what="the state LazyCheckpointHook saves", fix="return plain data "
                        "(numbers, strings, lists, dicts, tensors) from the state_dict() of what holds it")
-        self._session = CheckpointSession(self.dirpath, self.options, rank=accelerator.process_index,
-                                          world_size=accelerator.num_processes)
+        session = CheckpointSession(self.dirpath, self.options, rank=accelerator.process_index,
+                                    world_size=accelerator.num_processes)
+        self._loop.start(session, save=lambda boundary: session.save(
+            boundary.step, replicated=run.replicated, per_rank=boundary.per_process, optimizers=run.optimizers,
+            immutable=run.models, started=boundary.started))
         self._run = run
         self._handles = run.hook_into(before_step=self._before_optimizer_step, after_step=self._after_optimizer_step,
                                       forward=self._on_forward, drain=self._drain_copies)
-        self._rollback = AccelerateRollback(self._session, self._run)
+        self._rollback = AccelerateRollback(session, self._run)
         self._rollback.remember_start(self.step)
         return self
 
@@ -130,14 +130,13 @@ class LazyCheckpointHook:
         """
         self._require_registered("resume")
         self._drain_copies()
-        resolved = os.fspath(path) if path is not None else self._run.newest(self._session)
+        session = self._loop.session
+        resolved = os.fspath(path) if path is not None else self._run.newest(session)
         if resolved is None:
             logger.info("lazyckpt: no committed checkpoint in %s; starting from step 0", self.dirpath)
             return 0
-        step = self._run.restore_from(resolved, verify=self._session.engine.config.verify_on_load,
-                                      load=self._session.load)["step"]
-        self._requests.restart(step, committed=True)
-        self._session.resumed(step, resolved)
+        step = self._run.restore_from(resolved, verify=session.engine.config.verify_on_load, load=session.load)["step"]
+        self._loop.resumed(step, resolved)
         self._rollback.remember_start(step)
         return step
 
@@ -148,8 +147,7 @@ class LazyCheckpointHook:
             The handle (``wait()`` gives the committed directory); the same one when this step was requested
             already; None when this step's checkpoint was committed by an earlier run (after :meth:`resume`).
         """
-        self._requests.capture_unless_requested(self.step, self._require_registered("save").boundary)
-        return self._issue()
+        return self._loop.request(self._require_registered("save").boundary)
 
     def rollback(self) -> int | None:
         """Restore everything registered from the newest snapshot before this iteration's update, because its
@@ -160,9 +158,7 @@ class LazyCheckpointHook:
             RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
         """
         self._require_registered("rollback")
-        bad_step = self._rollback.bad_step(self.step)
-        self._requests.drop(bad_step)  # the bad update's request is never issued
-        return self._rollback.roll_back(bad_step)
+        return self._loop.rolled_back(self._rollback.roll_back(self._loop.bad_step()))
 
     def close(self) -> None:
         """Issue a pending request, drain every checkpoint, remove the hooks and log the run's summary (one line,
@@ -170,22 +166,19 @@ class LazyCheckpointHook:
 
         Call it before ``accelerator.end_training()``: multi-process commits need every process alive.
         """
-        if self._closed or self._session is None:
+        if self._closed or self._loop.session is None:
             self._closed = True
             return
         self._closed = True
         try:
-            self._issue()
+            self._loop.issue()
         finally:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-            self._session.close()
-        self._feedback.follow(self._session.engine.stats)
-        if self._run.accelerator.is_main_process:
-            summary = self._feedback.finish(logger.info)
-            if summary:
-                self._run.accelerator.log(summary, step=self.step)
+            self._loop.session.close()
+        accelerator = self._run.accelerator
+        self._loop.finish(logger.info if accelerator.is_main_process else None, metrics=accelerator.log)
 
     def __enter__(self) -> LazyCheckpointHook:
         return self
@@ -199,37 +192,26 @@ class LazyCheckpointHook:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the step counter from ``accelerator.load_state()``."""
-        self._requests.restart(int(state["step"]), committed=False)
+        self._loop.restart(int(state["step"]))
 
     # --- framework events -----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._requests.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary):
+        if self._loop.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary):
             self._rollback.on_step()
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        # The first forward after the step: the loop's scheduler step and other end-of-iteration updates are done.
-        self._rollback.stepped = False
-        self._issue()
+        self._loop.forward()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._issue(late=NO_FORWARD)
-        self._session.barrier()
+        self._loop.before_update(late=NO_FORWARD)
 
     # --- helpers --------------------------------------------------------------------------------------------
-
-    def _issue(self, late: str | None = None) -> PendingCheckpoint | None:
-        """Request the step captured at its iteration's end, if any; the newest request's handle."""
-        self._feedback.follow(self._session.engine.stats)  # warns when the write falls behind
-        return self._requests.issue(lambda boundary: self._session.save(
-            boundary.step, replicated=self._run.replicated, per_rank=boundary.per_process,
-            optimizers=self._run.optimizers, immutable=self._run.models, started=boundary.started), late=late)
 
     def _drain_copies(self) -> None:
         """Issue a request waiting for its iteration's end, then pass the barrier of the one in flight."""
         self._require_registered("drain")
-        self._issue()
-        self._session.barrier()
+        self._loop.drain()
 
     def _require_registered(self, what: str) -> PreparedRun:
         if self._run is None:

@@ -23,22 +23,14 @@ import io
 import os
 from typing import Any
 
-import torch
 from fsspec import AbstractFileSystem
 
 from lazyckpt.format import MANIFEST
-from lazyckpt.plain import weights_only_safe
+from lazyckpt.lightning_format import lightning_checkpoint_bytes
 
-from ._lightning_io import URL_PREFIX, local_path, to_lightning_checkpoint
+from ._lightning_io import URL_PREFIX, local_path
 
 PROTOCOL = URL_PREFIX.removesuffix("://")
-
-
-def lightning_checkpoint_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The Lightning checkpoint stored at ``path`` as ``torch.save`` bytes that load with ``weights_only=True``."""
-    buffer = io.BytesIO()
-    torch.save(weights_only_safe(to_lightning_checkpoint(local_path(path))), buffer)
-    return buffer.getvalue()
 
 
 class LazyCheckpointFileSystem(AbstractFileSystem):

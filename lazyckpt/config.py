@@ -97,6 +97,9 @@ class CheckpointConfig:
     """Upload the checkpoints whose step is a multiple of this."""
     remote_keep_last_k: int | None = None
     """Keep only the newest k checkpoints on the remote level (None keeps all)."""
+    remote_timeout_s: float = 600.0
+    """How long the ranks wait for each other's uploads of one checkpoint (rank 0 for every rank's files, the
+    others for rank 0's commit) before that upload fails."""
     storage_options: dict[str, Any] | None = None
     """Passed to fsspec for ``remote`` or a URL ``dirpath`` (for s3fs e.g. ``endpoint_url``, ``key``, ``secret``)."""
     spool_dir: str | None = None

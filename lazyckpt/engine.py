@@ -86,6 +86,8 @@ class LazyCheckpointer:
         self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
         try:
             self._rendezvous = self._meet(store)
+            if self.remote is not None:
+                self.remote.meet_through(self._rendezvous)
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
             raise

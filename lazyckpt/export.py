@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.lightning_format import lightning_checkpoint_bytes
 from lazyckpt.loading import load
 from lazyckpt.storage import LocalStorage, Storage
 
@@ -48,9 +49,18 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
     if format == "safetensors":
         return export_safetensors(path, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
                                   storage=storage)
-    from lazyckpt.integrations._lightning_io import export_checkpoint  # imports no Lightning
+    return export_lightning(path, out_file)
 
-    return export_checkpoint(path, out_file)
+
+def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, verify: bool = True) -> str:
+    """Write a lazyckpt checkpoint written by ``LazyCheckpoint`` as a plain Lightning ``.ckpt`` file (atomically);
+    returns ``out_file``.
+
+    The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
+    ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it
+    (:func:`lazyckpt.lightning_format.lightning_checkpoint_bytes`).
+    """
+    return _write_atomic(LocalStorage(), out_file, lightning_checkpoint_bytes(path, verify=verify))
 
 
 def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, key: str | None = None,
@@ -74,6 +84,10 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
     if dedupe:
         weights = drop_duplicates(weights)
     data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
+    return _write_atomic(storage, out_file, data)
+
+
+def _write_atomic(storage: Storage, out_file: str | os.PathLike[str], data: bytes) -> str:
     out_file = os.fspath(out_file)
     storage.make_dir(os.path.dirname(os.path.abspath(out_file)))
     storage.write_atomic(out_file, data, sync=True)

@@ -1,9 +1,11 @@
 """How the ranks of one checkpointer agree, through the process group's key-value store and nothing else.
 
-Only store operations are used (``set``, ``get``, ``check``, ``add``): they are safe from background threads,
-unlike collectives, and they need no directory that every node sees. Every key lives under a prefix agreed at
-construction (one per checkpointer of the job), and every save has its own attempt number, which all ranks count
-in the same order; so a key left by an earlier or failed attempt can never complete a new one.
+Only store operations are used (``set``, ``get``, ``check``, ``delete_key``): they are safe from background
+threads, unlike collectives, and they need no directory that every node sees. Every key lives under a prefix agreed
+at construction (one per checkpointer of the job), and every save has its own attempt number, which all ranks count
+in the same order; so a key left by an earlier or failed attempt can never complete a new one. Once every rank is
+past an attempt (committed, or gave it up), the last of them deletes its keys, so the store does not grow with the
+length of the run; a store that cannot delete keys keeps them.
 
 Directories: each rank names its own ``dirpath`` (node-local disks are fine). At construction the ranks find out
 which of them share a directory (a marker file each, listed after everyone wrote theirs); the lowest rank of a
@@ -14,6 +16,7 @@ directory into place once every rank of the job has published that its files are
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -21,6 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 from lazyckpt.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+Attempt = int | str
+"""The key of one attempt: the save counter (the same on every rank), or a string naming another meeting of it
+(an upload of that save: ``"remote/7/0"``)."""
+Timeout = tuple[float, str]
+"""``(seconds, the option that sets them)``, for a wait that is not bounded by ``commit_timeout_s``."""
 
 _INSTANCES: dict[tuple[int, int], int] = {}
 """Checkpointers built per (store, rank) in this process: all ranks build them in the same order."""
@@ -56,6 +67,7 @@ class Rendezvous:
     def __init__(self, store: Any, *, rank: int, world_size: int, dirpath: str, storage: Storage,
                  timeout_s: float, clear_dir: Callable[[], None]) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self._can_delete = True
         count = _INSTANCES.get((id(store), rank), 0)
         _INSTANCES[(id(store), rank)] = count + 1
         run_key = f"lazyckpt/checkpointer-{count}"
@@ -101,33 +113,74 @@ class Rendezvous:
 
     # --- commit (background threads) -----------------------------------------------------------------------
 
-    def gather(self, attempt: int, summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    def gather(self, attempt: Attempt, summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
         """Publish that this rank's files are durable, then every rank's summary once all have published."""
-        self.store.set(f"{self.prefix}/{attempt}/durable/{self.rank}", json.dumps(summary).encode())
-        keys = [f"{self.prefix}/{attempt}/durable/{r}" for r in range(self.world_size)]
-        self._wait(keys, "every rank to make its files durable", attempt=attempt)
+        self.announce(attempt, summary)
+        keys = self.wait_everyone(attempt)
         return {r: json.loads(v) for r, v in enumerate(self.store.multi_get(keys))}
 
-    def committed(self, attempt: int) -> None:
+    def announce(self, attempt: Attempt, summary: dict[str, Any] | None = None) -> None:
+        """Publish that this rank's part of ``attempt`` is durable."""
+        self.store.set(f"{self.prefix}/{attempt}/durable/{self.rank}", json.dumps(summary or {}).encode())
+
+    def wait_everyone(self, attempt: Attempt, *, timeout: Timeout | None = None) -> list[str]:
+        """Block until every rank announced ``attempt`` durable; returns their keys."""
+        keys = [f"{self.prefix}/{attempt}/durable/{r}" for r in range(self.world_size)]
+        self._wait(keys, "every rank to make its files durable", attempt=attempt, timeout=timeout)
+        return keys
+
+    def committed(self, attempt: Attempt) -> None:
         self.store.set(f"{self.prefix}/{attempt}/committed/{self.rank}", b"1")
+        self._finished(attempt)
 
-    def wait_committed(self, attempt: int) -> None:
-        self._wait([f"{self.prefix}/{attempt}/committed/{self.leader}"],
-                   f"rank {self.leader} to commit this directory", attempt=attempt)
+    def wait_committed(self, attempt: Attempt, *, by: int | None = None, timeout: Timeout | None = None) -> None:
+        """Block until rank ``by`` (default: this directory's leader) committed ``attempt``."""
+        by = self.leader if by is None else by
+        self._wait([f"{self.prefix}/{attempt}/committed/{by}"], f"rank {by} to commit", attempt=attempt,
+                   timeout=timeout)
+        self._finished(attempt)
 
-    def abandon(self, attempt: int, reason: str) -> None:
+    def abandon(self, attempt: Attempt, reason: str) -> None:
         """Tell every rank that this attempt failed here, so none waits for it or commits it."""
         self.store.set(f"{self.prefix}/{attempt}/failed", f"rank {self.rank}: {reason}".encode())
+        self._finished(attempt)
 
-    def _wait(self, keys: list[str], what: str, *, attempt: int | None = None) -> None:
+    # --- forgetting an attempt once every rank is past it ----------------------------------------------------
+
+    def _finished(self, attempt: Attempt) -> None:
+        """This rank reads no key of ``attempt`` any more. The last rank to say so deletes them all, so a long run
+        does not grow the store (a rank's mark is a key of its own: saying it twice never counts twice)."""
+        done = [f"{self.prefix}/{attempt}/done/{r}" for r in range(self.world_size)]
+        self.store.set(done[self.rank], b"1")
+        if self._can_delete and self.store.check(done):
+            self._delete(self._keys_of(attempt))
+
+    def _keys_of(self, attempt: Attempt) -> list[str]:
+        base = f"{self.prefix}/{attempt}"
+        per_rank = [f"{base}/{kind}/{r}" for kind in ("plan", "durable", "committed") for r in range(self.world_size)]
+        # The done marks last: while one is left, a rank that checks them never sees all of them.
+        return [*per_rank, f"{base}/failed", *(f"{base}/done/{r}" for r in range(self.world_size))]
+
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except (RuntimeError, NotImplementedError) as e:  # a store without deletion: keep the keys
+                logger.info("lazyckpt: the process group's store cannot delete keys (%r); they are kept", e)
+                self._can_delete = False
+                return
+
+    def _wait(self, keys: list[str], what: str, *, attempt: Attempt | None = None,
+              timeout: Timeout | None = None) -> None:
         # Polled with a cap, not store.wait(): a failure key must end the wait as soon as it appears.
         failed = None if attempt is None else f"{self.prefix}/{attempt}/failed"
-        deadline, delay = time.monotonic() + self.timeout_s, 0.001
+        seconds, option = timeout if timeout is not None else (self.timeout_s, "commit_timeout_s")
+        deadline, delay = time.monotonic() + seconds, 0.001
         while not self.store.check(keys):
             if failed is not None and self.store.check([failed]):
                 raise CommitAbandoned(f"lazyckpt: {self.store.get(failed).decode()}; no rank commits this attempt")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"lazyckpt: gave up after {self.timeout_s:g}s (commit_timeout_s) waiting for {what}"
+                raise TimeoutError(f"lazyckpt: gave up after {seconds:g}s ({option}) waiting for {what}"
                                    "; a rank failed or died, so no rank commits this checkpoint")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)

@@ -14,6 +14,7 @@ state that is not the same on every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import zlib
@@ -79,29 +80,46 @@ def shard_of(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box, bool]:
         UnsupportedValueError: a ``Partial`` placement (the value is a pending sum, not a stored one), or this
             rank is not part of the tensor's mesh.
     """
-    from torch.distributed.tensor import Partial, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Partial
 
     placements = tuple(tensor.placements)
     if any(isinstance(p, Partial) for p in placements):
         raise UnsupportedValueError(
             f"state[{key!r}] is a DTensor with a Partial placement {placements}: its value is a pending reduction, "
             "not stored data; call .redistribute(placements=[Replicate()] or [Shard(d)]) or .full_tensor() first")
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
+    where = _placement(tuple(tensor.shape), tensor.device_mesh, placements)
+    if where is None:
         raise UnsupportedValueError(f"state[{key!r}] is a DTensor on a mesh this rank is not part of; pass only "
                                     "tensors this rank holds")
-    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    local_shape, offsets, replicas, index = where
     local = tensor.to_local()
-    if tuple(local.shape) != tuple(local_shape):  # uneven shards padded by the owner (e.g. FSDP2)
+    if tuple(local.shape) != local_shape:  # uneven shards padded by the owner (e.g. FSDP2)
         local = local.narrow(0, 0, local_shape[0]) if local.dim() else local
-    replica_dims = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
-    replicas, index = 1, 0
-    for d in replica_dims:
-        replicas, index = replicas * mesh.size(d), index * mesh.size(d) + coordinate[d]
     writer = zlib.crc32(key.encode("utf-8")) % replicas
-    return local, Box(tuple(tensor.shape), tuple(offsets)), index == writer
+    return local, Box(tuple(tensor.shape), offsets), index == writer
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
+               ) -> tuple[tuple[int, ...], tuple[int, ...], int, int] | None:
+    """This rank's local shape and offsets in a tensor of ``global_shape`` placed so on ``mesh``, the number of
+    replicas of its shard and which of them this rank is; None when this rank is not in the mesh.
+
+    Cached: a training loop saves the same few shapes and placements every time, and torch's placement math (with
+    the mesh coordinate) was most of what planning a sharded ``save()`` cost on the training thread.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    replicas, index = 1, 0
+    for d, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            replicas, index = replicas * mesh.size(d), index * mesh.size(d) + coordinate[d]
+    return tuple(local_shape), tuple(offsets), replicas, index
 
 
 def assign_replicated(sizes: Iterable[tuple[str, int]], world_size: int) -> dict[str, int]:

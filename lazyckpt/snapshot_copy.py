@@ -5,9 +5,10 @@ Reading a snapshot back costs three passes over its bytes if done one after the 
 optimizer. Here the destination of an entry is the caller's own tensor when one fits (found as
 :func:`lazyckpt.load_into` finds its targets: by the flattened key of a state with live tensors at its leaves),
 so the bytes land where they are used and ``load_state_dict`` of the result copies nothing; an entry without a
-fitting target gets a fresh tensor. Each 1 MiB chunk is checked right after it is copied, while its bytes are still
-in the CPU cache, on the thread that copied it; with more than one torch thread the chunks are spread over that
-many threads (numpy releases the GIL for the copy and the checksum).
+fitting target gets a fresh tensor. Each 1 MiB chunk is copied and checked by
+:func:`lazyckpt.checksum.copy_checksum`: every cache-sized block is mixed into the chunk's checksum right after
+its copy, so the snapshot's bytes are read from memory once. With more than one torch thread the chunks are
+spread over that many threads (numpy releases the GIL for the copy and the checksum).
 
 Example:
     >>> dests = Destinations(job.entries, tensor_targets({"model": model.state_dict()}), "snapshot")  # doctest: +SKIP
@@ -23,12 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, tensor_bytes
+from lazyckpt.checksum import CHUNK_BYTES, copy_checksum, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError
 from lazyckpt.format import torch_dtype
 from lazyckpt.plan import TensorEntry
 from lazyckpt.reshard import target_block
-from lazyckpt.tensor_io import check_chunks
+from lazyckpt.tensor_io import check_chunk
 
 TASK_BYTES = 8 * CHUNK_BYTES
 """One unit of work handed to a thread: large enough that handing it over costs nothing next to its bytes."""
@@ -121,10 +122,8 @@ def _tasks(transfers: list[Transfer]) -> Iterator[list[Transfer]]:
 def _run(task: list[Transfer], entries: list[TensorEntry], checksums: dict[str, list[str]], where: str) -> None:
     for transfer in task:
         key = entries[transfer.index].key
-        expected = checksums[key]
         for offset in range(0, transfer.source.size, CHUNK_BYTES):
-            chunk = transfer.dest[offset : offset + CHUNK_BYTES]
-            chunk[:] = transfer.source[offset : offset + CHUNK_BYTES]
-            first = (transfer.start + offset) // CHUNK_BYTES
-            check_chunks(chunk, transfer.start + offset, expected[first : first + 1], where, key)
-
+            end = min(offset + CHUNK_BYTES, transfer.source.size)
+            actual = copy_checksum(transfer.dest[offset:end], transfer.source[offset:end])
+            chunk = (transfer.start + offset) // CHUNK_BYTES
+            check_chunk(actual, checksums[key][chunk], where, key, chunk, transfer.start + end)

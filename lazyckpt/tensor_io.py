@@ -137,10 +137,18 @@ def check_chunks(data: np.ndarray, start: int, expected: list[str], where: str, 
         CheckpointCorruptError: a chunk's checksum differs from the recorded one.
     """
     for index, actual in enumerate(checksum_run(data)):
-        if format_checksum(actual) != expected[index]:
-            chunk = start // CHUNK_BYTES + index
-            first = chunk * CHUNK_BYTES
-            last = min(first + CHUNK_BYTES, start + data.size)
-            raise CheckpointCorruptError(
-                f"{where}: tensor {key!r} is corrupt: chunk {chunk} (bytes {first}..{last} of the tensor) "
-                f"has checksum {format_checksum(actual)}, the manifest recorded {expected[index]}")
+        chunk = start // CHUNK_BYTES + index
+        check_chunk(actual, expected[index], where, key, chunk, min((chunk + 1) * CHUNK_BYTES, start + data.size))
+
+
+def check_chunk(actual: int, expected: str, where: str, key: str, chunk: int, end: int) -> None:
+    """Check one chunk's checksum ``actual`` against the recorded ``expected``; ``end``: the byte of tensor
+    ``key`` where the chunk ends.
+
+    Raises:
+        CheckpointCorruptError: they differ; the message names ``where``, the tensor and the chunk's bytes.
+    """
+    if format_checksum(actual) != expected:
+        raise CheckpointCorruptError(
+            f"{where}: tensor {key!r} is corrupt: chunk {chunk} (bytes {chunk * CHUNK_BYTES}..{end} of the tensor) "
+            f"has checksum {format_checksum(actual)}, the manifest recorded {expected}")

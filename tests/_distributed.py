@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -55,3 +56,28 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 240.0, meet
         rank, trace = errors.get()
         raise AssertionError(f"rank {rank} failed:\n{trace}")
     return {r: p.exitcode for r, p in enumerate(procs)}
+
+
+def two_ranks_meeting(dirpath: str, store=None, timeout_s: float = 0.5):
+    """``(rank 0, rank 1)`` :class:`~lazyckpt.rendezvous.Rendezvous` of one process, built on two threads (they
+    meet at construction) through ``store`` (default: a fresh ``HashStore``)."""
+    from lazyckpt.rendezvous import Rendezvous
+    from lazyckpt.storage import LocalStorage
+
+    store = torch.distributed.HashStore() if store is None else store
+    built, errors = {}, []
+
+    def build(rank):
+        try:
+            built[rank] = Rendezvous(store, rank=rank, world_size=2, dirpath=dirpath, storage=LocalStorage(),
+                                     timeout_s=timeout_s, clear_dir=lambda: None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return built[0], built[1]

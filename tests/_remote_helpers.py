@@ -10,6 +10,19 @@ import pytest
 from lazyckpt.storage.fsspec import FsspecStorage
 
 
+class FlakyRemote(FsspecStorage):
+    """The real remote, except that while ``fail`` is set an upload dies after the tensor file went up."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.fail = False
+
+    def upload_file(self, local_path, path):
+        if self.fail and path.endswith(".json"):
+            raise ConnectionError(f"connection to the object store lost (injected) while writing {path}")
+        super().upload_file(local_path, path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,7 +3,7 @@
     python tests/reliability.py fuzz --fuzz-cases 20000 [--seed 1]    structure-aware reader fuzzing
     python tests/reliability.py corrupt --flips-per-file 5000          flip bytes in every file of a checkpoint
     python tests/reliability.py kill --kills 200 [--seed 1]            SIGKILL a saving process at random points
-    python tests/reliability.py soak --checkpoints 5000                save+load in a loop; RSS, fds, threads flat
+    python tests/reliability.py soak --checkpoints 5000                save+load in a loop; fds, threads, objects flat
 
 Each prints one summary line (the figures docs/reliability.md records) and exits 1 on the first violation.
 """
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lazyckpt  # noqa: E402
 import lazyckpt.reader  # noqa: E402
 from _forge import edit_manifest, read_json, reseal, split_tensor_file, write_tensor_file  # noqa: E402
+from _soak import soak  # noqa: E402
 from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES  # noqa: E402
 
 REFUSALS = (lazyckpt.CheckpointFormatError, lazyckpt.CheckpointNotFoundError)
@@ -317,32 +318,6 @@ def kill_at_random(dirpath: str, kills: int, seed: int) -> dict[str, int]:
     return {"kills": survived, "landed_mid_save": mid_write, "latest_step": next_step - 1}
 
 
-# --- soak: many checkpoints, bounded resources -----------------------------------------------------------------
-
-def soak(dirpath: str, checkpoints: int, warmup: int = 50) -> dict[str, float]:
-    """Save (keeping the last 2), load and verify ``checkpoints`` times; resources after ``warmup`` and at the end
-    (RSS, open file descriptors, threads) must stay flat."""
-    import psutil
-
-    process = psutil.Process()
-    state = {"w": torch.randn(250_000), "step": 0}
-
-    def sample() -> dict[str, float]:
-        return {"rss_mib": process.memory_info().rss / 2**20, "fds": process.num_fds(), "threads": process.num_threads()}
-
-    first = None
-    with lazyckpt.LazyCheckpointer(dirpath, keep_last_k=2) as ckpt:
-        for step in range(1, checkpoints + 1):
-            state["step"] = step
-            path = ckpt.save(state, step=step).wait()
-            assert lazyckpt.load(path)["step"] == step
-            if step == min(warmup, checkpoints):
-                first = sample()
-        last = sample()
-    return {"checkpoints": checkpoints, **{f"{k}_after_{warmup}": round(v, 1) for k, v in first.items()},
-            **{f"{k}_at_end": round(v, 1) for k, v in last.items()}}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -353,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flips-per-file", type=int, default=48)
     p = sub.add_parser("soak")
     p.add_argument("--checkpoints", type=int, default=1000)
+    p.add_argument("--sample-every", type=int, default=100)
     p = sub.add_parser("kill")
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
@@ -364,11 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "corrupt":
             result = corrupt_every_file(make_template(workdir), per_file=args.flips_per_file)
         elif args.command == "soak":
-            result = soak(workdir, args.checkpoints)
+            result = soak(workdir, args.checkpoints, sample_every=args.sample_every)
         else:
             result = kill_at_random(workdir, args.kills, args.seed)
     print(json.dumps({"command": args.command, **result, "seconds": round(time.monotonic() - started, 1)}))
-    return 0
+    return 1 if result.get("violations") else 0
 
 
 if __name__ == "__main__":

@@ -119,3 +119,54 @@ def test_quiet_steps_skip_checkpoint_steps_their_successors_and_steps_before_dur
     durable = {8: 2.0, 12: 0.1}  # step 8's checkpoint is durable at 10.5: step 10 is not quiet, step 11 is
     quiet = runner.quiet_step_durations(w, rec, durable)
     assert quiet == pytest.approx([0.01 * s for s in (6, 7, 11, 14, 15)])
+
+
+@pytest.mark.slow
+def test_distributed_mode_verifies_every_method_and_splits_the_bytes_across_ranks(tmp_path):
+    """``--world-size 2``: FSDP2 and DDP on two gloo ranks; every method's checkpoint read back matched, each FSDP2
+    rank held half the state, and DDP split writes put half of rank 0's bytes on each rank."""
+    out = tmp_path / "dist.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "compare.py"), "--world-size", "2", "--params-m",
+                           "0.05", "--batch", "1", "--seq", "8", "--every", "2", "--checkpoints", "1", "--repeats",
+                           "1", "--json", str(out), "--workdir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        data = json.load(f)
+    methods = {m["key"]: m for m in data["methods"]}
+    assert set(methods) == {"none_fsdp2", "lazyckpt_fsdp2", "dcp_stager_fsdp2", "none_ddp", "lazyckpt_ddp_split",
+                            "lazyckpt_ddp_rank0"}
+    failed = {k: m["errors"] or m["verify_problems"] for k, m in methods.items() if m["verified"] is not True}
+    assert not failed, failed
+    runs = {run["method"]: run["ranks"] for run in data["runs"]}
+    shard = [r["shard_bytes"] for r in runs["lazyckpt_fsdp2"]]
+    replica = runs["lazyckpt_ddp_split"][0]["shard_bytes"]
+    assert sum(shard) == pytest.approx(replica, rel=0.05)  # FSDP2 ranks hold halves of the state DDP replicates
+    split = [r["written_bytes"] for r in runs["lazyckpt_ddp_split"]]
+    alone = [r["written_bytes"] for r in runs["lazyckpt_ddp_rank0"]]
+    assert alone[1] == 0 and split[0] == pytest.approx(alone[0] / 2, rel=0.1) == split[1]
+    assert {t["target"] for rows in data["targets"].values() for t in rows} >= {
+        "time to durable <= DCP + DefaultStager's", "time to durable <= 0.7x rank 0 writing all"}
+    assert "| lazyckpt (FSDP2) | yes |" in proc.stdout
+    assert os.listdir(tmp_path / "work") == []
+
+
+def test_distributed_metrics_take_the_worst_and_the_median_rank(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import dist_compare
+    from dist_methods import DIST_BASELINE_FOR, LazyParallel, NoCheckpointFsdp
+
+    def rank(index, stall_s, peak_mb, e2e_s):
+        return {"rank": index, "stall_s": stall_s, "durable_s": [1.0 + index], "peak_rss_bytes": peak_mb << 20,
+                "e2e_s": e2e_s, "shard_bytes": 100 << 20, "written_bytes": 100 << 20, "verified": True}
+
+    runs = [{"method": "none_fsdp2", "repeat": 0, "ranks": [rank(0, [], 500, 10.0), rank(1, [], 600, 10.0)]},
+            {"method": "lazyckpt_fsdp2", "repeat": 0,
+             "ranks": [rank(0, [0.01, 0.03], 610, 11.0), rank(1, [0.05, 0.05], 660, 12.0)]}]
+    lazy = dist_compare.aggregate([NoCheckpointFsdp, LazyParallel], runs, DIST_BASELINE_FOR)[1]
+    assert lazy["verified"] is True
+    assert lazy["stall_ms"]["median"] == pytest.approx(50) and lazy["stall_ms_median"]["median"] == pytest.approx(35)
+    assert lazy["durable_s"]["median"] == 2.0
+    assert lazy["extra_rss_mb"]["median"] == pytest.approx(110)  # against the same rank of the baseline
+    assert lazy["extra_rss_x_shard"]["median"] == pytest.approx(1.1)
+    assert lazy["e2e_slowdown_pct"]["median"] == pytest.approx(20)

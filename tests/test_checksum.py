@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, checksum_run, chunk_checksums
+from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, checksum_run, chunk_checksums, copy_checksum
 
 
 def test_checksum_values_are_pinned_for_the_format_s_life():
@@ -53,3 +54,16 @@ def test_chunks_mixed_in_cache_sized_blocks_match_the_formula_at_every_size():
         assert checksum_bytes(data[:size]) == _formula(data[:size]), size
     run = np.concatenate([data, data[:12345]])
     assert checksum_run(run) == [_formula(data), _formula(data[:12345])]
+
+
+def test_a_copy_checksummed_block_by_block_equals_the_copied_bytes_and_their_checksum():
+    data = np.random.default_rng(2).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    for size in (CHUNK_BYTES, CHUNK_BYTES - 3, 256 << 10, (256 << 10) + 5, 13, 0):
+        dest = np.zeros(size, np.uint8)
+        assert copy_checksum(dest, data[:size]) == _formula(data[:size]), size
+        assert np.array_equal(dest, data[:size]), size
+
+
+def test_a_copy_between_arrays_of_different_sizes_is_refused():
+    with pytest.raises(ValueError, match="dest of 8 and source of 16 bytes"):
+        copy_checksum(np.zeros(8, np.uint8), np.zeros(16, np.uint8))

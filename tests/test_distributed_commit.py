@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lazyckpt
-from _distributed import run_ranks
+from _distributed import run_ranks, two_ranks_meeting
 from lazyckpt.rendezvous import CommitAbandoned
 from lazyckpt.state import flatten
 
@@ -191,30 +190,8 @@ def test_a_partial_dtensor_or_a_plain_tensor_that_differs_per_rank_is_refused_at
     assert torch.equal(lazyckpt.load(lazyckpt.latest(tmp_path / "ckpt"), rank=1)["w"], torch.zeros(2))
 
 
-def _two_ranks_meeting(dirpath):
-    from lazyckpt.rendezvous import Rendezvous
-    from lazyckpt.storage import LocalStorage
-
-    store, built, errors = torch.distributed.HashStore(), {}, []
-
-    def build(rank):
-        try:
-            built[rank] = Rendezvous(store, rank=rank, world_size=2, dirpath=dirpath, storage=LocalStorage(),
-                                     timeout_s=0.5, clear_dir=lambda: None)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    return built[0], built[1]
-
-
 def test_a_durable_mark_of_an_earlier_attempt_never_completes_a_new_one(tmp_path):
-    rank0, rank1 = _two_ranks_meeting(str(tmp_path))
+    rank0, rank1 = two_ranks_meeting(str(tmp_path))
     assert rank0.leader == rank1.leader == 0, "both share the directory: its lowest rank leads"
     rank1.store.set(f"{rank1.prefix}/1/durable/1", b"{}")  # rank 1 finished attempt 1, then that attempt failed
     with pytest.raises(TimeoutError, match="commit_timeout_s"):

@@ -43,9 +43,14 @@ def test_engine_objects_pass_through_validation_untouched():
     assert opts.engine_arguments(rank=0, world_size=1, retention=True)["keep_last_k"] == 2
 
 
-def test_split_separates_session_options_from_the_rest():
-    ours, rest = SessionOptions.split({"keep_last_k": 3, "monitor": "val_loss", "engine": {}, "owner": "x"})
-    assert ours == {"keep_last_k": 3} and rest == {"monitor": "val_loss", "engine": {}, "owner": "x"}
+def test_from_keywords_takes_the_session_options_and_leaves_the_rest_to_the_framework_or_the_engine():
+    keywords = {"max_rollbacks": 1, "monitor": "val_loss", "owner": "x"}
+    options, rest = SessionOptions.from_keywords(keywords, owner="X", source="s", keep_last_k=3, engine={"fsync": False})
+    assert (options.max_rollbacks, options.keep_last_k, options.owner) == (1, 3, "X")
+    assert options.engine == {"fsync": False} and rest == {"monitor": "val_loss", "owner": "x"}
+    options, rest = SessionOptions.from_keywords({"max_rollbacks": 1, "fsync": False}, owner="X", source="s",
+                                                 keep_last_k=None)
+    assert options.max_rollbacks == 1 and options.engine == {"fsync": False} and rest == {}
 
 
 def test_a_step_completes_when_every_optimizer_has_updated():
@@ -246,6 +251,19 @@ def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warn
         assert "10.0 ms to 50.0 ms" in message and "host_buffer_bytes" in message and "interval" in message
 
 
+@pytest.mark.parametrize("stalls", [(0.010, 0.015, 0.023), (0.002, 0.010, 0.049)])
+def test_a_growing_stall_that_stays_short_in_absolute_terms_is_not_reported(stalls):
+    from lazyckpt.policy import falling_behind
+    from lazyckpt.policy.feedback import MIN_STALL_S
+    from lazyckpt.stats import CheckpointStats
+
+    def stats(values):
+        return [CheckpointStats(step=i, save_s=s, flush_s=1.0) for i, s in enumerate(values)]
+
+    assert falling_behind(stats(stalls)) is None  # it doubled, but a tiny run's milliseconds are noise
+    assert falling_behind(stats((*stalls[:-1], MIN_STALL_S))) is not None
+
+
 def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a_bounded_log():
     from lazyckpt.policy import RunFeedback
     from lazyckpt.stats import CheckpointStats, StatsLog
@@ -311,3 +329,58 @@ def test_resume_target_is_none_without_a_directory_and_the_newest_of_both_kinds_
     assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]).endswith("step-0000001")
     os.utime(other, (old + 10, old + 10))
     assert resume_target(os.fspath(tmp_path), opts, [os.fspath(other)]) == os.fspath(other)
+
+
+def test_update_loop_requests_a_due_step_at_the_next_forward_and_a_rollback_undoes_the_update_just_made():
+    from types import SimpleNamespace
+
+    from lazyckpt.policy import UpdateLoop
+    from lazyckpt.stats import StatsLog
+
+    calls = []
+    session = SimpleNamespace(engine=SimpleNamespace(stats=StatsLog()), barrier=lambda: calls.append("barrier"))
+    loop = UpdateLoop(every_n_steps=2)
+    loop.start(session, save=lambda captured: calls.append(("save", captured.step)) or f"handle {captured.step}")
+    capture = SimpleNamespace
+
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step)) and calls == []
+    loop.forward()
+    assert calls == [] and loop.bad_step() == 2  # before the next update: that update is the bad one
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 2 is due: captured
+    assert loop.bad_step() == 2 and loop.rolled_back(0) == 0  # after it: its request is dropped, never issued
+    loop.forward()
+    assert calls == []
+
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 3
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 4, due
+    with pytest.warns(RuntimeWarning, match="no forward"):
+        loop.before_update(late="no forward ran")  # no forward between two updates: requested late, then barrier
+    assert calls == [("save", 4), "barrier"]
+    assert loop.request(lambda step: capture(step=step)) == "handle 4"  # requested already: the same handle
+    loop.restart(7)
+    assert loop.step == 7 and loop.finish(None) == {}
+
+
+def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_somewhere_to_report():
+    from types import SimpleNamespace
+
+    from lazyckpt.policy import RunFeedback
+    from lazyckpt.stats import CheckpointStats
+
+    lines, metrics, saved = [], [], []
+    feedback = RunFeedback()
+    feedback.announce(3, "saved 'last.ckpt'")
+    commits = [SimpleNamespace(step=3, stats=CheckpointStats(step=3, save_s=0.004, nbytes=2 * 10**6)),
+               SimpleNamespace(step=4, stats=None)]  # a rank without the stats of that commit
+    feedback.report(commits, info=lines.append, metrics=lambda values, step: metrics.append((step, values)),
+                    each=saved.append)
+    assert lines == ["saved 'last.ckpt'"] and saved == [3, 4]
+    assert [(step, values["lazyckpt/stall_ms"], values["lazyckpt/size_mb"]) for step, values in metrics] == [
+        (3, pytest.approx(4.0), pytest.approx(2.0))]
+
+    silent = RunFeedback()  # another rank: records, reports nothing
+    silent.report(commits)
+    assert len(silent.stats) == 1
+    summary = feedback.finish(lines.append, lambda values, step: metrics.append((step, values)), step=9)
+    assert metrics[-1] == (9, summary) and lines[-1].startswith("lazyckpt: 1 checkpoints committed")
+    assert RunFeedback().finish(lines.append, lambda values, step: metrics.append(step)) == {} and len(metrics) == 2

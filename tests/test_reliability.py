@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import lazyckpt
+from _soak import soak
 from reliability import corrupt_every_file, fuzz, kill_at_random, make_template
 
 
@@ -22,3 +24,15 @@ def test_a_changed_byte_in_any_file_of_a_checkpoint_is_detected_by_load_and_veri
 def test_sigkill_at_random_points_always_leaves_a_loadable_latest_checkpoint(tmp_path):
     counts = kill_at_random(str(tmp_path), kills=4, seed=1)
     assert counts["kills"] == 4 and counts["latest_step"] >= 1, counts
+
+
+def test_nothing_accumulates_per_checkpoint_over_a_soak(tmp_path):
+    result = soak(str(tmp_path), checkpoints=80, warmup=20, sample_every=20)
+    assert result["violations"] == [] and len(result["samples"]) == 4, result
+
+
+def test_the_soak_reports_a_structure_that_grows_per_checkpoint(tmp_path, monkeypatch):
+    held, load = [], lazyckpt.load
+    monkeypatch.setattr(lazyckpt, "load", lambda path: held.append([path]) or load(path))
+    result = soak(str(tmp_path), checkpoints=40, warmup=10, sample_every=10)
+    assert result["violations"] == ["30 more live list objects"], result

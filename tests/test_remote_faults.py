@@ -11,24 +11,11 @@ import textwrap
 import pytest
 
 import lazyckpt
-from _remote_helpers import free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
+from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
 from conftest import snapshot, step
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.remote.upload import RemoteUnreachableError
-
-
-class FlakyRemote(FsspecStorage):
-    """The real remote, except that while ``fail`` is set an upload dies after the tensor file went up."""
-
-    def __init__(self, url, options):
-        super().__init__(url, options)
-        self.fail = False
-
-    def upload_file(self, local_path, path):
-        if self.fail and path.endswith(".json"):
-            raise ConnectionError(f"connection to the object store lost (injected) while writing {path}")
-        super().upload_file(local_path, path)
 
 
 def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):
@@ -146,3 +133,34 @@ def test_an_upload_killed_midway_never_becomes_latest_and_the_next_run_cleans_it
     assert lazyckpt.latest(url, storage_options=options) is None
     lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options).close()
     assert remote_steps(FsspecStorage(url, options), url) == ({}, [])
+
+
+class ReplyLostAfterCommit(FsspecStorage):
+    """The real remote, except that the first commit object's upload reports a failure after it went up."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.uploaded, self.lost_one = [], False
+
+    def upload_file(self, local_path, path):
+        super().upload_file(local_path, path)
+        self.uploaded.append(path)
+        if path.endswith("/manifest.json") and not self.lost_one:
+            self.lost_one = True
+            raise ConnectionError(f"reply to the upload of {path} lost (injected)")
+
+
+def test_a_retry_finds_its_step_committed_already_and_uploads_nothing_again(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
+    remote = ckpt.remote.storage = ReplyLostAfterCommit(url, options)
+    ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+    ckpt.remote.drain()
+    with pytest.raises(ConnectionError, match="reply .* lost"):
+        ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
+    assert ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait_remote() == f"{url}/step-0000002"
+    ckpt.close()
+    step_1 = [p for p in remote.uploaded if "/step-0000001/" in p]
+    assert len(step_1) == len(set(step_1)) == 3, "the retry of step 1 uploaded none of its objects again"
+    assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2]

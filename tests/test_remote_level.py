@@ -142,6 +142,7 @@ def test_the_cli_lists_and_verifies_remote_checkpoints(tmp_path, trained, s3_rem
     ({"remote": "memory://x", "remote_every_n": 0}, "remote_every_n=0 must be a positive int"),
     ({"remote": "memory://x", "remote_keep_last_k": 0}, "remote_keep_last_k=0 must be a positive int"),
     ({"remote": "memory://x", "storage_options": "k=v"}, "storage_options='k=v' must be a dict"),
+    ({"remote": "memory://x", "remote_timeout_s": 0}, "remote_timeout_s=0 must be a positive number"),
 ])
 def test_bad_remote_options_are_refused_with_the_argument_and_value(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

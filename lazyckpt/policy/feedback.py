@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from lazyckpt.stats import CheckpointStats, StatsLog
 
@@ -21,6 +22,25 @@ GROWING_RUN = 3
 """Consecutive checkpoints whose stall grows before :func:`falling_behind` says so."""
 GROWTH = 2.0
 """How many times the first of those stalls the last must be: noise does not double three times in a row."""
+MIN_STALL_S = 0.05
+"""The newest stall must be this long too: a few milliseconds growing to a few more (a tiny model, a cold cache)
+is noise, not a write that cannot keep up, and costs the run nothing worth changing its settings for."""
+
+
+Metrics = Callable[[dict[str, float], int], None]
+"""Where an integration's metrics go: ``metrics(values, step)`` (the trainer's loggers, ``accelerator.log``)."""
+
+
+class _Commit(Protocol):
+    step: int
+    stats: CheckpointStats | None
+
+
+def checkpoint_metrics(stats: CheckpointStats) -> dict[str, float]:
+    """One committed checkpoint's costs as logger metrics (milliseconds of stall, seconds of background work)."""
+    return {"lazyckpt/stall_ms": 1e3 * stats.stall_s, "lazyckpt/save_ms": 1e3 * stats.save_s,
+            "lazyckpt/wait_ms": 1e3 * stats.wait_s, "lazyckpt/copy_s": stats.copy_s,
+            "lazyckpt/flush_s": stats.flush_s, "lazyckpt/size_mb": stats.nbytes / 1e6}
 
 
 def run_summary(stats: Sequence[CheckpointStats]) -> dict[str, float]:
@@ -45,10 +65,13 @@ def summary_line(summary: dict[str, float]) -> str:
 
 
 def falling_behind(stats: Sequence[CheckpointStats]) -> str | None:
-    """A warning when the newest stalls keep growing (each request waits longer for the write before it), else
-    None. The fix: checkpoint less often, give the copy more host memory, or write to faster storage."""
+    """A warning when the newest stalls keep growing (each request waits longer for the write before it) and the
+    newest is long enough to matter (:data:`MIN_STALL_S`), else None. The fix: checkpoint less often, give the copy
+    more host memory, or write to faster storage."""
     recent = [s.stall_s for s in stats[-GROWING_RUN:]]
     if len(recent) < GROWING_RUN or any(b <= a for a, b in zip(recent, recent[1:])) or recent[-1] < GROWTH * recent[0]:
+        return None
+    if recent[-1] < MIN_STALL_S:
         return None
     durable = statistics.median(s.flush_s for s in stats[-GROWING_RUN:])
     return (f"lazyckpt: the background write is falling behind: the training-thread stall grew from "
@@ -81,6 +104,21 @@ class RunFeedback:
                 warnings.warn(warning, RuntimeWarning, stacklevel=3)
         return self._announced.pop(step, [])
 
+    def report(self, committed: Iterable[_Commit], *, info: Callable[[str], None] | None = None,
+               metrics: Metrics | None = None, each: Callable[[int], None] | None = None) -> None:
+        """Record each of ``committed`` (:meth:`committed`). On the rank that reports (``info`` given) the messages
+        that waited for a commit go to ``info``, its stats to ``metrics`` (when given), then ``each(step)`` runs."""
+        for done in committed:
+            announced = self.committed(done.step, done.stats)
+            if info is None:
+                continue
+            for message in announced:
+                info(message)
+            if metrics is not None and done.stats is not None:
+                metrics(checkpoint_metrics(done.stats), done.step)
+            if each is not None:
+                each(done.step)
+
     def follow(self, log: StatsLog) -> None:
         """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call."""
         new, self._seen = log.total.count - self._seen, log.total.count
@@ -93,9 +131,12 @@ class RunFeedback:
         """Keep ``message`` until :meth:`committed` of ``step`` (a "saved" line is true once the checkpoint is)."""
         self._announced.setdefault(step, []).append(message)
 
-    def finish(self, info: Callable[[str], None]) -> dict[str, float]:
-        """The run's summary: given to ``info`` as one line, and returned as logger metrics (empty when no
-        checkpoint was committed: nothing to log)."""
+    def finish(self, info: Callable[[str], None], metrics: Metrics | None = None, *,
+               step: int = 0) -> dict[str, float]:
+        """The run's summary: given to ``info`` as one line, and to ``metrics`` at ``step`` (unless no checkpoint
+        was committed: nothing to log); returns its metrics."""
         summary = run_summary(self.stats)
         info(summary_line(summary))
+        if summary and metrics is not None:
+            metrics(summary, step)
         return summary

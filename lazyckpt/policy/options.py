@@ -1,7 +1,7 @@
 """The options of an integration (``LazyCheckpoint``, ``LazyCheckpointHook``), validated once at construction.
 
 To give both integrations a new option, add a field to :class:`SessionOptions`: each adapter passes the keywords
-named like its fields here (see :meth:`SessionOptions.split`), so nothing else changes. Options of the engine
+named like its fields here (see :meth:`SessionOptions.from_keywords`), so nothing else changes. Options of the engine
 itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engine``.
 """
 
@@ -84,11 +84,21 @@ class SessionOptions:
         self._config = CheckpointConfig(keep_last_k=self.keep_last_k, **config)  # every check, now
 
     @classmethod
-    def split(cls, keywords: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(options of this class, everything else)`` from an adapter's ``**keywords``."""
-        names = {f.name for f in fields(cls) if f.init} - set(cls._NOT_USER_OPTIONS)
+    def from_keywords(cls, keywords: dict[str, Any], *, owner: str, source: str, keep_last_k: int | None,
+                      engine: dict[str, Any] | None = None) -> tuple[SessionOptions, dict[str, Any]]:
+        """The options named like this class's fields, taken out of an adapter's ``**keywords``, and the keywords
+        left. Without ``engine`` the others are the engine's options and none is left; with it they are left for
+        the framework (``ModelCheckpoint``'s own arguments).
+
+        Raises:
+            ValueError: an invalid option (the message names it).
+        """
+        names = {f.name for f in fields(cls) if f.init} - {*cls._NOT_USER_OPTIONS, "keep_last_k"}
         ours = {k: v for k, v in keywords.items() if k in names}
-        return ours, {k: v for k, v in keywords.items() if k not in names}
+        rest = {k: v for k, v in keywords.items() if k not in names}
+        options = cls(owner=owner, source=source, keep_last_k=keep_last_k,
+                      engine=rest if engine is None else engine, **ours)
+        return options, {} if engine is None else rest
 
     def newest_on_this_node(self, dirpath: str) -> str | None:
         """The newest committed checkpoint in ``dirpath`` or on the remote level, as a local directory (a newer

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from lazyckpt.retention import committed_steps
 
 if TYPE_CHECKING:
     from lazyckpt.engine import LazyCheckpointer
+    from lazyckpt.policy.session import CheckpointSession
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class StepVote:
         return bad
 
 
+class NothingToRollBackTo(LookupError):
+    """There is no state before the bad step: no snapshot, and the start of training was not remembered."""
+
+
 @dataclass(frozen=True)
 class Restored:
     """The outcome of a rollback: the state of ``step`` to load, for the non-finite ``bad_step``."""
@@ -112,6 +117,12 @@ class RollbackPolicy:
         self._last_step: int | None = None
         self._start: tuple[int, Any] | None = None
 
+    @classmethod
+    def of_session(cls, session: CheckpointSession, *, is_source: bool,
+                   share: Callable[[Restored | None], Restored | None] | None) -> RollbackPolicy:
+        """The policy of an integration's session: its engine, and ``max_rollbacks`` from its options."""
+        return cls(session.engine, max_rollbacks=session.options.max_rollbacks, is_source=is_source, share=share)
+
     def remember_start(self, step: int, state: Any) -> None:
         """Keep a private CPU copy of the state at training start: the target before the first snapshot."""
         if self.is_source:
@@ -131,7 +142,7 @@ class RollbackPolicy:
 
         Raises:
             RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
-            LookupError: there is no state before ``bad_step`` (no snapshot and no remembered start).
+            NothingToRollBackTo: there is no state before ``bad_step`` (no snapshot and no remembered start).
         """
         self.engine.wait_staged()  # the live tensors are about to be overwritten: no copy may still read them
         self.engine.discard(bad_step)
@@ -142,11 +153,26 @@ class RollbackPolicy:
         if self.share is not None:
             restored = self.share(restored)
         if restored is None:
-            raise LookupError(f"lazyckpt: the loss is non-finite at step {bad_step} and there is no state before "
-                               "it to roll back to (no snapshot, and the start of training was not remembered)")
+            raise NothingToRollBackTo(f"lazyckpt: the loss is non-finite at step {bad_step} and there is no state "
+                                      "before it to roll back to (no snapshot, and the start of training was not "
+                                      "remembered)")
         self._count(restored)
         logger.warning("lazyckpt: non-finite loss at step %d; rolled back to step %d (from %s)", bad_step,
                        restored.step, restored.source)
+        return restored
+
+    def restore(self, bad_step: int, *, live: Any, load: Callable[[Any], None],
+                optimizers: Iterable[torch.optim.Optimizer]) -> Restored:
+        """:meth:`roll_back` into the ``live`` state, hand the state to ``load`` (which puts it into the framework's
+        objects), and clear the ``optimizers``' gradients: the bad step's must not leak into the next one.
+
+        Raises:
+            RollbackLimitError, NothingToRollBackTo: as :meth:`roll_back`.
+        """
+        restored = self.roll_back(bad_step, into=live)
+        load(restored.state)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         return restored
 
     def _find(self, bad_step: int, into: Any) -> Restored | None:

@@ -28,7 +28,6 @@ import torch
 
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
-from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
@@ -222,10 +221,3 @@ class CheckpointSession:
 
     def _add_stall(self, step: int, seconds: float) -> None:
         self._stalls[step] = self._stalls.get(step, 0.0) + seconds
-
-
-def checkpoint_metrics(stats: CheckpointStats) -> dict[str, float]:
-    """One committed checkpoint's costs as logger metrics (milliseconds of stall, seconds of background work)."""
-    return {"lazyckpt/stall_ms": 1e3 * stats.stall_s, "lazyckpt/save_ms": 1e3 * stats.save_s,
-            "lazyckpt/wait_ms": 1e3 * stats.wait_s, "lazyckpt/copy_s": stats.copy_s,
-            "lazyckpt/flush_s": stats.flush_s, "lazyckpt/size_mb": stats.nbytes / 1e6}

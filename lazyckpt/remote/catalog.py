@@ -8,12 +8,11 @@ the next run cleans up, never a "committed" step with missing files.
 from __future__ import annotations
 
 import logging
-import posixpath
 
-from lazyckpt.format import MANIFEST
+from lazyckpt.format import MANIFEST, STEP_DIR
 from lazyckpt.remote.urls import join
 from lazyckpt.retention import committed_steps
-from lazyckpt.storage import Storage
+from lazyckpt.storage import FileKind, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -21,15 +20,24 @@ logger = logging.getLogger(__name__)
 def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]:
     """``({step: step URL}, [URLs of uncommitted step entries])`` under ``url`` (an absent prefix holds nothing).
 
-    Entries not named ``step-*`` are not ours and are left alone.
+    One listing of ``url``, then one look-up of each step's commit object. Entries not named ``step-*`` are not
+    ours and are left alone.
     """
-    committed = committed_steps(url, storage)
     try:
         names = storage.list_dir(url)
     except (FileNotFoundError, NotADirectoryError):
-        return committed, []
-    kept = {posixpath.basename(u) for u in committed.values()}
-    return committed, [join(url, n) for n in names if n.startswith("step-") and n not in kept]
+        return {}, []
+    committed, partial = {}, []
+    for name in sorted(names):
+        if not name.startswith("step-"):
+            continue
+        match, entry = STEP_DIR.fullmatch(name), join(url, name)
+        manifest = storage.stat(join(entry, MANIFEST)) if match else None
+        if manifest is not None and manifest.kind is FileKind.FILE:
+            committed[int(match.group(1))] = entry
+        else:
+            partial.append(entry)
+    return committed, partial
 
 
 def remove_partial_uploads(storage: Storage, url: str) -> list[str]:
@@ -56,6 +64,6 @@ def newest_checkpoint(local_dir: str, remote: str | None, storage_options: dict 
     step. On a fresh node whose local directory is empty this is the remote's newest (its URL)."""
     from lazyckpt.storage.fsspec import FsspecStorage
 
-    found = committed_steps(remote, FsspecStorage(remote, storage_options)) if remote is not None else {}
+    found = remote_steps(FsspecStorage(remote, storage_options), remote)[0] if remote is not None else {}
     found.update(committed_steps(local_dir))
     return found[max(found)] if found else None

@@ -4,6 +4,12 @@ A step is fetched object by object into ``dirpath/step-NNNNNNN.partial`` and ren
 every object is there, so a fetch cut short is a partial directory (removed by the next checkpointer), never a
 committed local checkpoint. Checksums are checked when the fetched copy is loaded, as for any local checkpoint.
 
+Every rank resolves the checkpoint to resume, and the ranks of a node usually share ``dirpath``: they take turns
+on a lock file in it, and whoever comes after the first finds the step already there, so a shared directory is
+fetched once. The whole step is fetched, not only this rank's files: the local copy is a committed checkpoint like
+any other, and a rank may read another rank's file on restore (replicated state is split across the ranks' files,
+and a different number of ranks reshards). A node with a directory of its own fetches its own copy.
+
 Example:
     >>> path = newest_on_this_node("runs/ckpt", "s3://bucket/run", {"endpoint_url": "..."})  # doctest: +SKIP
 """
@@ -15,13 +21,18 @@ import os
 import posixpath
 from typing import Any
 
-from lazyckpt.format import PARTIAL_SUFFIX
+from filelock import FileLock
+
+from lazyckpt.format import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.remote.catalog import newest_checkpoint
 from lazyckpt.remote.urls import is_url, join
 from lazyckpt.storage import LocalStorage
 from lazyckpt.storage.fsspec import FsspecStorage
 
 logger = logging.getLogger(__name__)
+
+FETCH_LOCK = ".lock-fetch"
+"""The lock file the ranks sharing a directory take turns on while one of them fetches."""
 
 
 def newest_on_this_node(dirpath: str, remote: str | None, storage_options: dict[str, Any] | None) -> str | None:
@@ -30,7 +41,12 @@ def newest_on_this_node(dirpath: str, remote: str | None, storage_options: dict[
     newest = newest_checkpoint(dirpath, remote, storage_options)
     if newest is None or not is_url(newest):
         return newest
-    return fetch_step(newest, storage_options, dirpath)
+    os.makedirs(dirpath, exist_ok=True)
+    with FileLock(os.path.join(dirpath, FETCH_LOCK)):
+        here = os.path.join(dirpath, posixpath.basename(newest))
+        if LocalStorage().stat(os.path.join(here, MANIFEST)) is not None:
+            return here  # another rank sharing this directory fetched it meanwhile
+        return fetch_step(newest, storage_options, dirpath)
 
 
 def fetch_step(step_url: str, storage_options: dict[str, Any] | None, dirpath: str) -> str:

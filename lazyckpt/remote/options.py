@@ -22,6 +22,9 @@ def check_remote_options(config: CheckpointConfig) -> None:
     keep = config.remote_keep_last_k
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"remote_keep_last_k={keep!r} must be a positive int or None (keep all)")
+    timeout = config.remote_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"remote_timeout_s={timeout!r} must be a positive number of seconds")
     if config.storage_options is not None and not isinstance(config.storage_options, dict):
         raise ValueError(f"storage_options={config.storage_options!r} must be a dict of fsspec options or None")
     if config.spool_dir is not None and is_url(config.spool_dir):

@@ -1,26 +1,73 @@
 """How rank 0 learns that every rank's upload of a step is durable before it writes the remote commit object.
 
-This is the one place to replace with a process-group store rendezvous. Until then ranks meet on the remote
-level itself, which every rank can see by definition: a rank's ``rank-NNNNN.json`` is uploaded after its tensor
-file, so its presence means that rank's upload is complete.
+Through the process group's store (:class:`StoreMeeting`, whenever the checkpointer has one): each rank announces
+that its upload is durable under a key of its own attempt (the save's attempt number and whether this is the
+retry), so an announcement left by an earlier, failed attempt never completes a new one; rank 0 writes the commit
+object once every rank has announced, and the others wait for rank 0's word. A rank whose upload fails says so
+under the same attempt, and every rank waiting on it gives up at once instead of at the timeout. Only store
+operations are used: they are safe from the uploader thread, unlike collectives.
+
+Without a store (one process, or ranks given explicitly with no process group), :class:`RemoteMeeting` meets on the
+remote level itself, which every rank sees by definition: a rank's ``rank-NNNNN.json`` is uploaded after its
+tensor file, so its presence means that rank's upload is complete.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lazyckpt.commit import _wait_for
 from lazyckpt.format import MANIFEST, rank_manifest
 from lazyckpt.remote.urls import join
+from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 
-
-def wait_for_rank_uploads(storage: Storage, step_url: str, world_size: int, timeout_s: float) -> None:
-    """Block until every rank's manifest is under ``step_url``; ``TimeoutError`` after ``timeout_s``."""
-    names = [join(step_url, rank_manifest(r)) for r in range(world_size)]
-    _wait_for(lambda: all(storage.stat(n) is not None for n in names), timeout_s,
-              f"all {world_size} ranks to upload their files to {step_url}")
+TIMEOUT_OPTION = "remote_timeout_s"
 
 
-def wait_for_remote_commit(storage: Storage, step_url: str, timeout_s: float) -> None:
-    """Block until rank 0 has written the commit object of ``step_url``."""
-    _wait_for(lambda: storage.stat(join(step_url, MANIFEST)) is not None, timeout_s,
-              f"rank 0 to commit {step_url}")
+def upload_attempt(save_attempt: int, retry: bool) -> str:
+    """The store key of one upload: its save's attempt (counted alike on every rank) and which try this is."""
+    return f"remote/{save_attempt}/{int(retry)}"
+
+
+class StoreMeeting:
+    """The ranks' uploads of one step meet through the process group's store (see the module docstring)."""
+
+    def __init__(self, rendezvous: Rendezvous, *, rank: int, timeout_s: float) -> None:
+        self.rendezvous, self.rank, self.timeout = rendezvous, rank, (timeout_s, TIMEOUT_OPTION)
+
+    def commit(self, attempt: str, step_url: str, write_commit: Callable[[], int]) -> int:
+        """After this rank's files are up: on rank 0, ``write_commit()`` once every rank announced ``attempt``
+        (returns its bytes); elsewhere, wait until rank 0 did (returns 0)."""
+        self.rendezvous.announce(attempt)
+        if self.rank != 0:
+            self.rendezvous.wait_committed(attempt, by=0, timeout=self.timeout)
+            return 0
+        self.rendezvous.wait_everyone(attempt, timeout=self.timeout)
+        nbytes = write_commit()
+        self.rendezvous.committed(attempt)
+        return nbytes
+
+    def give_up(self, attempt: str, error: BaseException) -> None:
+        """This rank's upload failed: no rank waits for it any longer, and rank 0 does not commit it."""
+        self.rendezvous.abandon(attempt, f"upload failed: {error!r}")
+
+
+class RemoteMeeting:
+    """Without a store: rank 0 polls the remote for the other ranks' manifests, the others for its commit."""
+
+    def __init__(self, storage: Storage, *, rank: int, world_size: int, timeout_s: float) -> None:
+        self.storage, self.rank, self.world_size, self.timeout_s = storage, rank, world_size, timeout_s
+
+    def commit(self, attempt: str, step_url: str, write_commit: Callable[[], int]) -> int:
+        if self.rank != 0:
+            _wait_for(lambda: self.storage.stat(join(step_url, MANIFEST)) is not None, self.timeout_s,
+                      f"rank 0 to commit {step_url} ({TIMEOUT_OPTION})")
+            return 0
+        others = [join(step_url, rank_manifest(r)) for r in range(1, self.world_size)]  # its own is up already
+        _wait_for(lambda: all(self.storage.stat(name) is not None for name in others), self.timeout_s,
+                  f"the other {self.world_size - 1} rank(s) to upload their files to {step_url} ({TIMEOUT_OPTION})")
+        return write_commit()
+
+    def give_up(self, attempt: str, error: BaseException) -> None:
+        """Nothing to tell: a rank that gave up uploads no manifest, and rank 0's wait runs out."""

@@ -2,8 +2,9 @@
 
 One uploader thread per checkpointer takes committed step directories from the local level (never tensors from
 the training process) and streams them to ``remote/step-NNNNNNN/``: each rank its own tensor file, then its
-rank manifest; rank 0 then waits until every rank's upload is durable and writes ``manifest.json`` last, the
-commit object readers look for. Older remote steps are pruned only after a newer one is committed there.
+rank manifest; the ranks then meet (through the process group's store when there is one, see
+:mod:`lazyckpt.remote.rendezvous`) and rank 0 writes ``manifest.json`` once every rank's upload is durable: the
+commit object readers look for, written last. Older remote steps are pruned only after a newer one is committed there.
 A failed upload is queued once more at the next commit, from the same committed local files.
 
 The thread starts like every lazyckpt background thread (one torch thread, a lower priority), so it never
@@ -20,18 +21,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyckpt.format import MANIFEST, rank_file, rank_manifest, step_dirname
+from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES, rank_file, rank_manifest, step_dirname
 from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
+from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
+from lazyckpt.remote.urls import join
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
-from lazyckpt.remote.rendezvous import wait_for_rank_uploads, wait_for_remote_commit
-from lazyckpt.remote.urls import join
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.threads import WRITER_NICE, start_background_thread
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
     from lazyckpt.job import CheckpointJob
+    from lazyckpt.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def open_remote_level(config: CheckpointConfig, local: Storage) -> RemoteLevel |
         return None
     return RemoteLevel(config.remote, config.storage_options, local, every_n=config.remote_every_n,
                        keep_last_k=config.remote_keep_last_k, rank=config.rank, world_size=config.world_size,
-                       timeout_s=config.commit_timeout_s)
+                       timeout_s=config.remote_timeout_s)
 
 
 def wait_for_upload(upload: RemoteUpload, timeout: float | None) -> str:
@@ -90,7 +92,7 @@ class RemoteLevel:
         every_n: upload the checkpoints whose step is a multiple of this.
         keep_last_k: remote retention (None keeps all).
         rank, world_size: this process's place; each rank uploads its own files.
-        timeout_s: how long rank 0 waits for the other ranks' uploads.
+        timeout_s: how long rank 0 waits for the other ranks' uploads, and they for its commit.
 
     Raises:
         RemoteUnreachableError: the remote cannot be listed or created (checked here, not at the first upload).
@@ -103,6 +105,9 @@ class RemoteLevel:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.storage = FsspecStorage(url, storage_options)
         self._probe()
+        self.meeting: StoreMeeting | RemoteMeeting = RemoteMeeting(self.storage, rank=rank, world_size=world_size,
+                                                                   timeout_s=timeout_s)
+        """Where the ranks' uploads of a step meet before rank 0 commits it (see :meth:`meet_through`)."""
         self._uploads: dict[int, RemoteUpload] = {}
         self._failed: list[RemoteUpload] = []
         self._to_retry: list[tuple[RemoteUpload, str]] = []
@@ -127,6 +132,11 @@ class RemoteLevel:
                 "created") from e
 
     # --- the engine's side ----------------------------------------------------------------------------------
+
+    def meet_through(self, rendezvous: Rendezvous | None) -> None:
+        """Meet the other ranks through the checkpointer's store (None: there is none; meet on the remote)."""
+        if rendezvous is not None:
+            self.meeting = StoreMeeting(rendezvous, rank=self.rank, timeout_s=self.timeout_s)
 
     def ticket(self, job: CheckpointJob) -> RemoteUpload | None:
         """Register ``job``'s step for upload when it is due (called by ``save()``); None when it is not."""
@@ -231,17 +241,34 @@ class RemoteLevel:
                 upload.done.set()
 
     def _upload(self, upload: RemoteUpload, local_dir: str) -> int:
-        mine = [rank_file(self.rank, self.world_size), rank_manifest(self.rank)]  # the manifest last: it
-        if self.rank == 0:                                                           # marks the upload durable
+        """This rank's files, then the meeting after which rank 0 writes the commit object; returns the bytes."""
+        if upload.retry and self._committed_already(upload.url, local_dir):
+            return 0  # only this rank gave up on the first try, after rank 0 had committed it
+        attempt = upload_attempt(upload.job.attempt, upload.retry)
+        try:
+            nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name))
+                         for name in self._own_files(local_dir))
+            return nbytes + self.meeting.commit(attempt, upload.url, lambda: self._copy(
+                os.path.join(local_dir, MANIFEST), join(upload.url, MANIFEST)))
+        except BaseException as e:
+            self.meeting.give_up(attempt, e)
+            raise
+
+    def _committed_already(self, step_url: str, local_dir: str) -> bool:
+        """True when the remote holds this very checkpoint's commit object (not one of another run's step)."""
+        remote, local = join(step_url, MANIFEST), os.path.join(local_dir, MANIFEST)
+        return (self.storage.stat(remote) is not None and self.storage.read_bytes(remote, max_bytes=MAX_MANIFEST_BYTES)
+                == self.local.read_bytes(local, max_bytes=MAX_MANIFEST_BYTES))
+
+    def _own_files(self, local_dir: str) -> list[str]:
+        """What this rank uploads, its manifest last (it marks the upload durable); rank 0 adds the files no
+        rank owns. The commit object is not among them."""
+        mine = [rank_file(self.rank, self.world_size), rank_manifest(self.rank)]
+        if self.rank == 0:
             owned = {rank_file(r, self.world_size) for r in range(self.world_size)}
             owned |= {rank_manifest(r) for r in range(self.world_size)} | {MANIFEST}
             mine[:0] = sorted(n for n in self.local.list_dir(local_dir) if n not in owned)
-        nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name)) for name in mine)
-        if self.rank != 0:
-            wait_for_remote_commit(self.storage, upload.url, self.timeout_s)
-            return nbytes
-        wait_for_rank_uploads(self.storage, upload.url, self.world_size, self.timeout_s)
-        return nbytes + self._copy(os.path.join(local_dir, MANIFEST), join(upload.url, MANIFEST))  # the commit
+        return mine
 
     def _copy(self, src: str, dst: str) -> int:
         """Copy one committed local file to the remote in pieces; returns its size."""

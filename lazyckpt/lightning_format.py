@@ -1,0 +1,72 @@
+"""The Lightning checkpoint dict inside a lazyckpt checkpoint written by ``LazyCheckpoint``: read back as the dict
+``Trainer.save_checkpoint`` would have written (with one rank's RNG states), and as the bytes of ``torch.save``
+that ``torch.load(weights_only=True)`` accepts. Imports no Lightning: the CLI's export and the ``lazyckpt://``
+file system use it as well as the Lightning integration.
+
+Example:
+    >>> checkpoint = to_lightning_checkpoint("runs/ckpt/last.ckpt", rank=1)          # doctest: +SKIP
+    >>> checkpoint["state_dict"].keys()                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.loading import load
+from lazyckpt.plain import weights_only_safe
+from lazyckpt.policy.resume import check_committed
+
+EXTRA_KEY = "lazyckpt"
+"""Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None,
+                            map_location: Any = None, verify: bool = True) -> dict[str, Any]:
+    """The Lightning checkpoint dict stored in a lazyckpt checkpoint written by ``LazyCheckpoint``.
+
+    Args:
+        path: a committed ``step-NNNNNNN`` directory or an alias (``last.ckpt``, ``epoch=1-step=40.ckpt``).
+        rank: whose RNG states to attach (DDP writes one small file per rank); default rank 0.
+        map_location: device for the tensors (default CPU).
+        verify: check checksums while reading.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is missing, partial (uncommitted) or a directory of checkpoints.
+        CheckpointFormatError: it is a lazyckpt checkpoint but not a Lightning one, or its files are damaged.
+    """
+    path = check_committed(os.fspath(path))
+    state = load(path, map_location=map_location, verify=verify)
+    if not isinstance(state, dict) or any(k not in state for k in LIGHTNING_KEYS):
+        found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointFormatError(f"{path} is a lazyckpt checkpoint but not a Lightning one (it has {found}, "
+                                    f"not {list(LIGHTNING_KEYS)}); load it with lazyckpt.load() instead")
+    extra = state.get(EXTRA_KEY)
+    if rank and isinstance(extra, dict):
+        extra["rng"] = _rank_rng(path, rank, verify)
+    return state
+
+
+def _rank_rng(path: str, rank: int, verify: bool) -> dict[str, Any] | None:
+    try:
+        return load(path, rank=rank, verify=verify)[EXTRA_KEY]["rng"]
+    except ValueError:  # saved by fewer ranks than read it now
+        warnings.warn(f"lazyckpt: {path} holds no RNG state for rank {rank} (it was saved by fewer ranks); "
+                      "that rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = True) -> bytes:
+    """The Lightning checkpoint stored at ``path`` as ``torch.save`` bytes holding only tensors and plain values,
+    so ``torch.load(..., weights_only=True)`` and ``LightningModule.load_from_checkpoint`` accept them: a
+    ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved container
+    (see :mod:`lazyckpt.plain`)."""
+    buffer = io.BytesIO()
+    torch.save(weights_only_safe(to_lightning_checkpoint(path, verify=verify)), buffer)
+    return buffer.getvalue()
