@@ -36,6 +36,8 @@ from workload import MiB, Workload, median, raw_write_seconds  # noqa: E402
 
 FULL = {"params_m": 25.0, "batch": 4, "seq": 32, "every": 5, "checkpoints": 6, "repeats": 3}
 QUICK = {"params_m": 4.0, "batch": 2, "seq": 16, "every": 3, "checkpoints": 2, "repeats": 1}
+TIMELINES = ("lazyckpt", "lazyckpt_two")
+"""The methods whose runs keep a timeline (``--plots`` draws ``<method>_timeline.png`` from them)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,7 +182,7 @@ def run_one(server: Any, key: str, repeat: int, workload: Workload, root: str, r
 
     tag = f"{key}-r{repeat}"
     spec = {"workload": dataclasses.asdict(workload), "method": key, "repeat": repeat,
-            "dirpath": os.path.join(root, tag), "reference": reference, "timeline": key == "lazyckpt",
+            "dirpath": os.path.join(root, tag), "reference": reference, "timeline": key in TIMELINES,
             "out": os.path.join(root, f"{tag}.json")}
     log_path = os.path.join(root, f"{tag}.log")
     started = time.monotonic()

@@ -270,13 +270,14 @@ class LazyEngine(Method):
     key, label, kind = "lazyckpt", "lazyckpt LazyCheckpointer", "lazyckpt"
     modules = ("lazyckpt",)
     storage_options: dict[str, Any] = {}
+    engine_options: dict[str, Any] = {}
 
     def setup(self, run: Run) -> None:
         super().setup(run)
         import lazyckpt
 
         self.storage = _timed_storage(**self.storage_options)
-        self.ckpt = lazyckpt.LazyCheckpointer(run.dirpath, fsync=True, storage=self.storage)
+        self.ckpt = lazyckpt.LazyCheckpointer(run.dirpath, fsync=True, storage=self.storage, **self.engine_options)
         self.pending = None
 
     def request(self, step: int) -> None:
@@ -316,6 +317,21 @@ class LazyEngineBuffered(LazyEngine):
             _timed_storage(**self.storage_options)
         except TypeError as e:
             raise Unavailable(f"this engine's LocalStorage has no direct_io option ({e})") from e
+
+
+class LazyEngineTwoInFlight(LazyEngine):
+    """The engine with ``max_in_flight=2``: the next checkpoint is copied while the previous one is written."""
+
+    key, label = "lazyckpt_two", "lazyckpt LazyCheckpointer, max_in_flight=2"
+    engine_options = {"max_in_flight": 2}
+
+
+class LazyEngineTwoPools(LazyEngine):
+    """Diagnostic: ``max_in_flight=2`` with a host budget that holds two checkpoints of the default workload, so
+    the next copy never waits for the writer to free a slot."""
+
+    key, label, kind = "lazyckpt_two_pool", "lazyckpt, max_in_flight=2, 640 MiB pool (diagnostic)", "diagnostic"
+    engine_options = {"max_in_flight": 2, "host_buffer_bytes": 640 << 20}
 
 
 def lazy_path(dirpath: str, step: int) -> str:

@@ -315,11 +315,11 @@ def write_plots(entries: list[dict[str, Any]], runs: list[dict[str, Any]], direc
     stalls = os.path.join(directory, "stall_per_method.png")
     plot_stalls(entries, stalls)
     written.append(stalls)
-    lazy = [r for r in runs if r.get("method") == "lazyckpt" and r.get("timeline") and r.get("engine_stats")]
-    if lazy:
-        lazy.sort(key=lambda r: r["loop_s"])
-        base = next((e for e in entries if e["key"] == "none" and e.get("step_ms")), None)
-        path = os.path.join(directory, "lazyckpt_timeline.png")
+    base = next((e for e in entries if e["key"] == "none" and e.get("step_ms")), None)
+    for key in sorted({r["method"] for r in runs if r.get("timeline") and r.get("engine_stats")}):
+        lazy = sorted((r for r in runs if r["method"] == key and r.get("timeline") and r.get("engine_stats")),
+                      key=lambda r: r["loop_s"])
+        path = os.path.join(directory, f"{key}_timeline.png")
         plot_timeline(lazy[len(lazy) // 2], base["step_ms"]["median"] if base else None, path)
         written.append(path)
     return written

@@ -54,15 +54,15 @@ import torch  # noqa: E402
 from floors import RawDirect, RawFloor, RawPaced  # noqa: E402
 from frameworks import AccelerateSaveState, LazyHook, LazyLightning, LightningAsync, LightningSync  # noqa: E402
 from methods import (  # noqa: E402
-    DcpStager, DcpThread, LazyEngine, LazyEngineBuffered, Method, NoCheckpoint, NoCheckpointAccelerate,
-    NoCheckpointTrainer, Run, TorchSave, Unavailable)
+    DcpStager, DcpThread, LazyEngine, LazyEngineBuffered, LazyEngineTwoInFlight, LazyEngineTwoPools, Method,
+    NoCheckpoint, NoCheckpointAccelerate, NoCheckpointTrainer, Run, TorchSave, Unavailable)
 from workload import (  # noqa: E402
     Batches, RssSampler, Workload, build_model, compare, evict_from_page_cache, lm_loss, make_optimizer, median,
     normalize, raw_write_seconds, set_threads, tree_bytes)
 
 METHODS: dict[str, type[Method]] = {cls.key: cls for cls in (
     NoCheckpoint, RawFloor, RawDirect, RawPaced, TorchSave, DcpThread, DcpStager, LazyEngine, LazyEngineBuffered,
-    NoCheckpointTrainer, LightningSync, LightningAsync, LazyLightning,
+    LazyEngineTwoInFlight, LazyEngineTwoPools, NoCheckpointTrainer, LightningSync, LightningAsync, LazyLightning,
     NoCheckpointAccelerate, AccelerateSaveState, LazyHook,
 )}
 """Every method, in table order."""

@@ -24,12 +24,14 @@ class CopyBackendName(str, enum.Enum):
 
 
 class OnBusy(str, enum.Enum):
-    """What ``save()`` does while the previous checkpoint is still in flight."""
+    """What ``save()`` does while earlier checkpoints are still in flight."""
 
     WAIT = "wait"
-    """Block until the previous checkpoint is committed, then take the new one."""
+    """Block until the oldest uncommitted checkpoint is committed (fewer than ``max_in_flight`` remain), then take
+    the new one."""
     SKIP = "skip"
-    """Drop the new request with a warning; its handle's ``wait()`` returns ``None``."""
+    """Drop the new request with a warning instead of blocking (``max_in_flight`` uncommitted, or the newest one
+    still being copied); its handle's ``wait()`` returns ``None``."""
 
 
 class OnOlderStep(str, enum.Enum):
@@ -58,12 +60,22 @@ class CheckpointConfig:
     """Keep only the newest k committed checkpoints (None keeps all). Older ones are removed only after a newer
     one is committed, so the only committed checkpoint is never removed."""
     host_buffer_bytes: int | None = None
-    """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole 8 MiB slots). A smaller
-    budget works: pieces cycle through the pool's slots as the writer frees them, and the barrier waits longer."""
+    """Budget of the host staging pool. None sizes it to one checkpoint (rounded up to whole 8 MiB slots). A budget
+    is filled up to ``max_in_flight`` checkpoints, so the next copy need not wait for the writer. A smaller budget
+    works: pieces cycle through the pool's slots as the writer frees them, and the barrier waits longer."""
     copy_backend: CopyBackendName | str = CopyBackendName.AUTO
     """One of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"triton"`` (see :class:`CopyBackendName`)."""
     on_busy: OnBusy | str = OnBusy.WAIT
-    """``"wait"`` or ``"skip"`` (see :class:`OnBusy`)."""
+    """``"wait"`` or ``"skip"`` (see :class:`OnBusy`): what a ``save()`` does while ``max_in_flight`` checkpoints
+    are uncommitted (or, for ``"skip"``, while the newest is still being copied)."""
+    max_in_flight: int = 1
+    """How many checkpoints may be requested and not yet committed at once. 1: ``save()`` first waits until the
+    previous checkpoint is committed, so a crash after ``save()`` returned leaves the previous one committed. 2: the
+    next checkpoint is captured and copied while the previous one is still written and committed (commits stay in
+    step order), so checkpointing more often than the writer keeps up with costs the slower of copy and write
+    instead of their sum; a crash may then lose both. Both share the host pool (``host_buffer_bytes``): the next
+    copy takes slots as the writer frees them, so memory stays at the budget; a budget of two checkpoints lets that
+    copy never wait for the writer."""
     rank: int = 0
     """This process's rank; each rank writes its own tensor file."""
     world_size: int = 1
@@ -104,6 +116,9 @@ class CheckpointConfig:
         self.on_older_step = _parse_enum(OnOlderStep, "on_older_step", self.on_older_step)
         if self.keep_last_k is not None and (not isinstance(self.keep_last_k, int) or self.keep_last_k < 1):
             raise ValueError(f"keep_last_k={self.keep_last_k!r} must be a positive int or None (keep all)")
+        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight={self.max_in_flight!r} must be a positive int (1: one checkpoint at a "
+                             "time; 2: the next one is copied while the previous one is written)")
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):
             raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 8 MiB (one staging "
                              "slot) or None (one checkpoint)")

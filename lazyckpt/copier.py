@@ -16,7 +16,7 @@ from lazyckpt.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.errors import SnapshotConsistencyError
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.memory_level import MemoryLevel
-from lazyckpt.plan import Piece, lazy_bytes, segment_runs
+from lazyckpt.plan import PIECE_BYTES, Piece, lazy_bytes, segment_runs
 from lazyckpt.staging import CopyBackend, HostBufferPool
 from lazyckpt.staging.pool import slots_for
 from lazyckpt.storage import Storage
@@ -31,8 +31,10 @@ class Copier:
     """Owns the host pool and the copy thread of one checkpointer."""
 
     def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage, writer: SharedWriter,
-                 finalize: Callable[[CheckpointJob], None], memory: MemoryLevel | None = None) -> None:
+                 finalize: Callable[[CheckpointJob], None], memory: MemoryLevel | None = None,
+                 max_in_flight: int = 1) -> None:
         self.backend = backend
+        self.max_in_flight = max_in_flight
         self.memory = memory
         self.writer = writer
         self.budget_bytes = budget_bytes
@@ -64,8 +66,7 @@ class Copier:
         self.storage.make_dir(job.partial_dir)
         job.handle = self.storage.open_write(job.file_path)
         writer.submit(WriteTask(job, self.storage, job.handle, 0, [memoryview(job.header)]))
-        # The memory level keeps the newest snapshot's slots: the pool then holds two checkpoints.
-        pool = self._pool_for(lazy_bytes(job.entries) if self.memory is None else self.memory.pool_bytes(job))
+        pool = self._pool_for(self._pool_bytes(job))
         lazy = [p for p in job.pieces if p.lazy]
         flat = [self.backend.prepare_source(t) if e.lazy else None for e, t in zip(job.entries, job.sources)]
         for start in range(0, len(lazy), MAX_BATCH_PIECES):
@@ -78,10 +79,21 @@ class Copier:
         for piece in (p for p in job.pieces if not p.lazy):
             _write_eager_piece(job, piece, writer, self.storage)
 
+    def _pool_bytes(self, job: CheckpointJob) -> int:
+        """What the pool should hold, before the budget caps it: the memory level keeps the newest snapshot's
+        slots (two checkpoints); otherwise one checkpoint, or with a budget as many as may be in flight, so the
+        next copy need not wait for the writer."""
+        if self.memory is not None:
+            return self.memory.pool_bytes(job)
+        if self.budget_bytes is None:
+            return lazy_bytes(job.entries)
+        return self.max_in_flight * PIECE_BYTES * sum(1 for piece in job.pieces if piece.lazy)
+
     def _pool_for(self, nbytes: int) -> HostBufferPool:
         wanted = slots_for(self.budget_bytes, nbytes)
-        # The previous job is fully written before a new one starts (one in flight), so the pool is idle here.
         if self.pool is None or self.pool.num_slots < wanted:
+            if self.pool is not None and self.memory is None:
+                self.pool.drain()  # the previous checkpoint may still be written from it: stay within the budget
             self.pool = None  # free the smaller pool before allocating the larger one
             self.pool = HostBufferPool(wanted, pin=self.backend.pin_memory())
         return self.pool

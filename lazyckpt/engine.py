@@ -30,6 +30,7 @@ from lazyckpt.copier import Copier
 from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError, StepOrderError
 from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
+from lazyckpt.inflight import InFlight, deliver_error
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.remote.options import split_levels
@@ -93,8 +94,7 @@ class LazyCheckpointer:
         self._attempts = 0
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
-        self._job: CheckpointJob | None = None
-        self._pending: PendingCheckpoint | None = None
+        self._inflight = InFlight()
         self._memory = MemoryLevel() if self.config.keep_in_memory else None
         """The memory level (``keep_in_memory=True``): the newest committed snapshot, kept in the staging pool."""
         self.stats = StatsLog()
@@ -131,18 +131,16 @@ class LazyCheckpointer:
         self._check_open("save")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
-        self._deliver_error(self._job)
+        deliver_error(self._inflight.undelivered())
         self._deliver_remote_error()
         final_dir = os.path.join(self.dirpath, step_dirname(step))
-        if self.storage.stat(final_dir) is not None or (self._job is not None and self._job.step == step and not self._job.failed):
+        if self.storage.stat(final_dir) is not None or ((same := self._inflight.find(step)) and not same.failed):
             raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
                                             "lazyckpt never overwrites a checkpoint (use a new step number)")
-        if self.in_flight is not None:
-            if self.config.on_busy is OnBusy.SKIP:
-                warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still "
-                              "being written (on_busy='skip')", RuntimeWarning, stacklevel=2)
-                return PendingCheckpoint(self, None, step)
-            self._drain(self._job)
+        if not self._make_room(step):
+            warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
+                          "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=2)
+            return PendingCheckpoint(self, None, step)
         self._check_step_order(step)
         self._attempts += 1
         attempt, rendezvous = self._attempts, self._rendezvous
@@ -154,12 +152,12 @@ class LazyCheckpointer:
             self._memory.check_budget(job, self.config.host_buffer_bytes)
             self._memory.begin(job)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
-        self._job = job
         upload = self.remote.ticket(job) if self.remote is not None else None
-        self._pending = PendingCheckpoint(self, job, step, upload)
+        pending = PendingCheckpoint(self, job, step, upload)
+        self._inflight.add(job, pending)
         self._copier.submit(job)
         job.stats.save_s = time.monotonic() - started
-        return self._pending
+        return pending
 
     def wait_staged(self) -> None:
         """The barrier: returns once the in-flight snapshot no longer needs the live tensors.
@@ -169,7 +167,7 @@ class LazyCheckpointer:
         """
         if self._job is not None:
             self._barrier(self._job)
-            self._deliver_error(self._job)
+        deliver_error(self._inflight.undelivered())
         self._deliver_remote_error()
 
     def remove(self, step: int) -> bool:
@@ -181,7 +179,7 @@ class LazyCheckpointer:
         Raises:
             ValueError: ``step`` is the checkpoint in flight.
         """
-        if self.in_flight is not None and self.in_flight.step == step:
+        if self._inflight.find(step) is not None:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
         path = os.path.join(self.dirpath, step_dirname(step))
         if step == self._newest_committed:  # removing an older step leaves the newest as it is
@@ -224,16 +222,16 @@ class LazyCheckpointer:
         removed. Either way it leaves the memory level. Returns True if there was one.
         """
         self._check_open("discard")
-        job = self._job
-        aborted = job is not None and job.step == step and not job.done and self._abort(job)
+        job = self._inflight.find(step)
+        aborted = job is not None and self._abort(job)
         removed = self.remove(step)
         forgotten = self._memory is not None and self._memory.forget(step)
         return aborted or removed or forgotten
 
     @property
     def in_flight(self) -> PendingCheckpoint | None:
-        """The handle of the checkpoint not yet committed (or failed), if any."""
-        return self._pending if self._pending is not None and not self._pending.done() else None
+        """The handle of the newest checkpoint not yet committed (or failed), if any; earlier ones commit first."""
+        return self._inflight.newest_handle()
 
     def close(self) -> None:
         """Finish the in-flight checkpoint and its upload, stop the copier and release the directory. Idempotent."""
@@ -242,8 +240,8 @@ class LazyCheckpointer:
         if self._pid != os.getpid():
             return  # a forked child (e.g. a DataLoader worker) owns none of the parent's threads or files
         try:
-            if self._job is not None:
-                self._drain(self._job, deliver=False)
+            for job in self._inflight.unfinished():
+                self._drain(job, deliver=False)
             if self.remote is not None:
                 self.remote.close()
         finally:
@@ -254,7 +252,7 @@ class LazyCheckpointer:
             if self._memory is not None:
                 self._memory.clear()
             self._lock.release()
-        self._deliver_error(self._job)
+        deliver_error(self._inflight.undelivered())
         self._deliver_remote_error()
 
     def __enter__(self) -> LazyCheckpointer:
@@ -271,6 +269,21 @@ class LazyCheckpointer:
         if self._pid != os.getpid():
             raise RuntimeError(f"LazyCheckpointer({self.dirpath!r}) was created in process {self._pid}; its threads "
                                f"do not exist in this forked process {os.getpid()}: create a new one here")
+
+    _job = property(lambda self: self._inflight.newest)
+    """The newest requested checkpoint: the only one whose barrier may still be ahead."""
+
+    def _make_room(self, step: int) -> bool:
+        """Before capturing ``step``: pass the newest checkpoint's barrier and wait for those that must commit
+        first (:meth:`InFlight.blocking`). False when ``on_busy="skip"`` and that would block."""
+        newest, older = self._job, self._inflight.blocking(step, self.config.max_in_flight)
+        if self.config.on_busy is OnBusy.SKIP and newest is not None and (older or not newest.wait_staged(0)):
+            return False
+        if newest is not None:
+            self._barrier(newest)  # its copy is done and its tree complete, so it commits before the next one
+        for job in older:
+            self._drain(job)
+        return True
 
     def _check_step_order(self, step: int) -> None:
         """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
@@ -319,7 +332,7 @@ class LazyCheckpointer:
                 self._backend = make_backend(self.config.copy_backend, tensors)
             self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
                                   storage=self.storage, writer=self._writer, finalize=self._finalize,
-                                  memory=self._memory)
+                                  memory=self._memory, max_in_flight=self.config.max_in_flight)
         return self._backend
 
     def _barrier(self, job: CheckpointJob, timeout: float | None = None) -> bool:
@@ -357,7 +370,8 @@ class LazyCheckpointer:
         return job.complete_tree()
 
     def _discard_off_writer(self, job: CheckpointJob) -> None:
-        self._writer.submit(CallTask(job, lambda: discard(job, self.storage, self._rendezvous), always=True))
+        self._writer.submit(CallTask(job, lambda: (discard(job, self.storage, self._rendezvous),
+                                                   self._drop_if_discarded(job)), always=True))
 
     def _abort(self, job: CheckpointJob) -> bool:
         """Fail ``job`` on request and wait until it ended; True when it was discarded (not committed)."""
@@ -373,27 +387,31 @@ class LazyCheckpointer:
         self._barrier(job)
         job.wait_done()
         if deliver:
-            self._deliver_error(job)
-
-    def _deliver_error(self, job: CheckpointJob | None) -> None:
-        if job is not None and job.error is not None and not job.error_delivered:
-            job.error_delivered = True
-            raise job.error
+            deliver_error(job)
 
     def _finalize(self, job: CheckpointJob) -> None:
         """Writer thread, after the job's last write: make the file durable, then commit if the tree is complete."""
         if finalize(job, self.storage, self.config, self._rendezvous):
             self._commit_off_writer(job)
+        self._drop_if_discarded(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:
-        """Writer thread. With several ranks the commit waits for the others: never block the shared writer."""
-        if job.world_size == 1:
+        """Writer thread. With several ranks the commit waits for the others, and any commit waits for the earlier
+        checkpoints to end: never block the shared writer."""
+        if job.world_size == 1 and not self._inflight.earlier(job):
             self._commit(job)
         else:
             start_background_thread(self._commit, job, name="lazyckpt-commit")
 
     def _commit(self, job: CheckpointJob) -> None:
+        self._inflight.wait_for_earlier(job)  # commits in request order: latest() never moves backwards
         commit_job(job, self.storage, self.config, on_committed=self._on_committed, rendezvous=self._rendezvous)
+        self._drop_if_discarded(job)
+
+    def _drop_if_discarded(self, job: CheckpointJob) -> None:
+        """A discarded job's slots kept for the memory level go back to the pool now (the next copy may wait)."""
+        if self._memory is not None:
+            self._memory.drop(job)
 
     def _on_committed(self, job: CheckpointJob) -> None:
         """The commit thread, once ``job`` is visible: the memory level, stats, log, retention (rank 0)."""

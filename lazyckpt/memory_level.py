@@ -85,8 +85,8 @@ class MemoryLevel:
         """Start collecting ``job``'s bytes (called by ``save()`` while the eager copies are still referenced)."""
         eager = {i: t for i, (e, t) in enumerate(zip(job.entries, job.sources)) if not e.lazy}
         with self._lock:
-            # One job is in flight at a time, so every earlier one has ended: free those that never committed
-            # (failed or discarded; their writes, and so their slots, all came back before they ended).
+            # Free the earlier ones that ended without committing (their writes, and so their slots, all came
+            # back before they ended); the engine usually dropped them already, as each was discarded.
             ended = [s for j, s in self._building.items() if j.state is JobState.DISCARDED]
             for snapshot in ended:
                 del self._building[snapshot.job]
@@ -105,6 +105,13 @@ class MemoryLevel:
                 else:
                     snapshot.slots.append((piece, slot, give_back))
         return keep
+
+    def drop(self, job: CheckpointJob) -> None:
+        """If ``job`` was discarded, its kept slots go back to the pool now (the next copy may wait for them)."""
+        with self._lock:
+            snapshot = self._building.pop(job, None) if job.state is JobState.DISCARDED else None
+        if snapshot is not None:
+            snapshot.release()
 
     def publish(self, job: CheckpointJob) -> None:
         """``job`` committed: it becomes the newest snapshot; the previous one's slots go back to the pool."""

@@ -82,13 +82,23 @@ def test_skip_policy_drops_a_request_while_busy_and_says_so(tmp_path, trained):
     assert sorted(os.listdir(tmp_path)) == [".lock-rank00000", "step-0000001"]
 
 
-def test_wait_policy_blocks_until_the_previous_checkpoint_is_committed(tmp_path, trained):
+def test_wait_policy_with_one_in_flight_blocks_until_the_previous_checkpoint_is_committed(tmp_path, trained):
     model, opt = trained
-    with lazyckpt.LazyCheckpointer(tmp_path, on_busy="wait") as ckpt:
+    with lazyckpt.LazyCheckpointer(tmp_path, on_busy="wait", max_in_flight=1) as ckpt:
         first = ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])
         ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
         assert first.done()
     assert lazyckpt.checkpoint_step(lazyckpt.latest(tmp_path)) == 2
+
+
+def test_wait_policy_blocks_until_fewer_than_max_in_flight_are_uncommitted(tmp_path, trained):
+    model, opt = trained
+    with lazyckpt.LazyCheckpointer(tmp_path, on_busy="wait", max_in_flight=2) as ckpt:
+        first = ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])
+        ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
+        ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
+        assert first.done()
+    assert lazyckpt.checkpoint_step(lazyckpt.latest(tmp_path)) == 3
 
 
 def test_close_is_idempotent_and_a_closed_checkpointer_refuses_saves(tmp_path, trained):
@@ -114,6 +124,7 @@ def test_two_live_checkpointers_cannot_share_a_directory(tmp_path):
     ({"on_busy": "drop"}, "on_busy='drop'"), ({"rank": 2, "world_size": 2}, "rank=2"),
     ({"host_buffer_bytes": 0}, "host_buffer_bytes=0"),
     ({"on_busy": "skip", "world_size": 2}, "on_busy='skip' needs world_size=1"),
+    ({"max_in_flight": 0}, "max_in_flight=0 must be a positive int"),
 ])
 def test_bad_options_are_refused_with_the_argument_and_value(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

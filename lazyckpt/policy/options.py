@@ -32,6 +32,7 @@ class EngineOptions(TypedDict, total=False):
     commit_timeout_s: float
     min_free_bytes: int
     fsync: bool
+    max_in_flight: int
     on_older_step: Literal["error", "move_aside"]
     spool_dir: str
     storage: Any

@@ -40,6 +40,11 @@ class HostBufferPool:
         except queue.Empty:
             return None
 
+    def drain(self) -> None:
+        """Block until every slot is back (the writer has written all it was handed), taking them all."""
+        for _ in range(self.num_slots):
+            self._free.get()
+
     def release(self, index: int) -> None:
         self._free.put(index)
 
