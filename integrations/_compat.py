@@ -109,12 +109,18 @@ def inner_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-_UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+"""Refused distributed types (FSDP is refused in version 1 only)."""
 
 
 def refuse_unsupported_accelerator(accelerator: Any) -> None:
-    """Raise unless ``accelerator`` prepared something, in one process group, without sharded state."""
+    """Raise unless ``accelerator`` prepared something, in one process group, with replicated state or FSDP
+    version 2 (DTensor shards; version 1 builds its sharded state dict by all-gathering every parameter)."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        raise ValueError("LazyCheckpointHook does not support FSDP version 1: its sharded state dict all-gathers "
+                         "every parameter on the training thread at each save; use "
+                         "FullyShardedDataParallelPlugin(fsdp_version=2), or accelerator.save_state()")
     if kind in _UNSUPPORTED:
         raise ValueError(f"LazyCheckpointHook does not support distributed_type={kind}: its state is sharded "
                          "or owned by the engine; use accelerator.save_state() there")
