@@ -28,11 +28,15 @@ def is_fsdp2(accelerator: Any) -> bool:
     return bool(getattr(accelerator, "is_fsdp2", False))
 
 
-def check_one_model(models: list[torch.nn.Module]) -> None:
-    """Optimizer states are keyed by the names of one model's parameters: FSDP2 runs prepare exactly one."""
+def check_supported(models: list[torch.nn.Module], *, keep_in_memory: bool) -> None:
+    """Optimizer states are keyed by the names of one model's parameters: FSDP2 runs prepare exactly one. The
+    in-memory level (rollback) keeps what each process wrote, which under FSDP2 is not the whole state."""
     if len(models) != 1:
         raise ValueError(f"LazyCheckpointHook under FSDP version 2 checkpoints one prepared model, this accelerator "
                          f"prepared {len(models)}; prepare the others without FSDP or wrap them in one nn.Module")
+    if keep_in_memory:
+        raise ValueError("LazyCheckpointHook(keep_in_memory=True) is not supported under FSDP version 2: the "
+                         "in-memory snapshot and rollback serve replicated (DDP) state only; drop keep_in_memory")
 
 
 def sharded_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[dict]]:

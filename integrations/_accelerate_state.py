@@ -68,7 +68,7 @@ class PreparedRun:
         prepared = _compat.prepared(accelerator)
         models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in prepared.models]
         if sharded.is_fsdp2(accelerator):
-            sharded.check_one_model(models)
+            sharded.check_supported(models, keep_in_memory=bool(hook.options.engine.get("keep_in_memory")))
         return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook,
                    sharded=sharded.is_fsdp2(accelerator))
 

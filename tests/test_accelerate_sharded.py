@@ -135,6 +135,22 @@ def test_resume_on_another_number_of_processes_reshards_bit_exact(trained, tmp_p
     _assert_same(torch.load(tmp_path / "resumed.pt", weights_only=False)["resumed"], full["at_four"])
 
 
+def _refusals(rank: int, world_size: int, dirpath: str) -> None:
+    from lazyckpt import LazyCheckpointHook
+
+    accelerator, model, opt, sched = _fsdp2_run(rank, world_size)
+    with pytest.raises(ValueError, match=r"keep_in_memory=True\) is not supported under FSDP version 2"):
+        LazyCheckpointHook(dirpath, keep_in_memory=True).register(accelerator)
+    hook = LazyCheckpointHook(dirpath).register(accelerator)
+    with pytest.raises(NotImplementedError, match=r"rollback\(\) is not supported under FSDP version 2"):
+        hook.rollback()
+    hook.close()
+
+
+def test_the_memory_level_and_rollback_are_refused_under_fsdp2(tmp_path):
+    run_ranks(_refusals, 2, str(tmp_path))
+
+
 def test_fsdp_version_1_is_refused_naming_version_2():
     from accelerate.utils import DistributedType
 
