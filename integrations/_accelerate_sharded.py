@@ -24,7 +24,8 @@ process 0's loader positions (their epoch counters agree on every process)."""
 
 
 def is_fsdp2(accelerator: Any) -> bool:
-    """The accelerator shards with FSDP version 2 (``Accelerator.is_fsdp2``, public since Accelerate 1.x)."""
+    """The accelerator shards with FSDP version 2 (``Accelerator.is_fsdp2``: an Accelerate without that property
+    has no FSDP2 plugin, and its FSDP is refused as version 1)."""
     return bool(getattr(accelerator, "is_fsdp2", False))
 
 

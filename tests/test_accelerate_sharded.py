@@ -3,8 +3,9 @@ and reshards to another number of processes.
 
 Accelerate selects FSDP only for accelerator devices (``AcceleratorState`` picks ``DistributedType.FSDP`` in its
 GPU/NPU/XPU/... branch; a CPU run stays ``MULTI_CPU`` and ignores the plugin), so the CPU tests set the two fields
-Accelerate sets on a GPU (``distributed_type``, in both state singletons, and ``fsdp_plugin``) before ``prepare``; from there the run is
-Accelerate's own FSDP2 path (``fully_shard`` over gloo). The GPU test at the end runs it unmodified.
+Accelerate sets on a GPU (``distributed_type``, in both state singletons, and ``fsdp_plugin``) before ``prepare``;
+from there the run is Accelerate's own FSDP2 path (``fully_shard`` over gloo). The GPU test at the end runs it
+unmodified.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ def per_rank_source(rank: int, world_size: int, saved: int) -> PerRankSource:
 
 
 def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                    *, model_key: str | tuple[str, int], optimizers_key: str, run_keys: Collection[str] = (), rank: int = 0,
-                    world_size: int = 1, verify: bool = True) -> dict[str, Any]:
+                    *, model_key: str | tuple[str, int], optimizers_key: str, run_keys: Collection[str] = (),
+                    rank: int | None = None, world_size: int | None = None, verify: bool = True) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` from the checkpoint at ``path``; return the rest of its tree.
 
     Args:
@@ -56,6 +56,7 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
         run_keys: top-level keys holding this rank's run state (RNG states, loader positions): None in the
             returned dict on a rank the checkpoint was not saved by, which then keeps its current values.
         rank: this process's rank; world_size: the number of ranks restoring (any number: see the module doc).
+            Default: the default process group's (0 and 1 without one).
 
     Returns:
         The target state dicts at ``model_key`` and ``optimizers_key``, the checkpoint's other values, and the
@@ -67,6 +68,7 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
+    rank, world_size = _group_rank(rank, world_size)
     source = per_rank_source(rank, world_size, CheckpointReader(os.fspath(path)).world_size)
     key, index = (model_key, None) if isinstance(model_key, str) else model_key
     model_state = get_model_state_dict(module)
@@ -80,6 +82,14 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
     return loaded
 
 
+def _group_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    return (rank if rank is not None else dist.get_rank() if grouped else 0,
+            world_size if world_size is not None else dist.get_world_size() if grouped else 1)
+
+
 def _report_changed_ranks(path: str, source: PerRankSource, rank: int, world_size: int, run_keys: Collection[str],
                           loaded: dict[str, Any]) -> None:
     if not source.own:
@@ -87,8 +97,8 @@ def _report_changed_ranks(path: str, source: PerRankSource, rank: int, world_siz
             loaded[key] = None
         warnings.warn(f"lazyckpt: {path} was saved by fewer ranks than the {world_size} restoring it; rank {rank} "
                       "took rank 0's per-rank model and optimizer tensors (e.g. BatchNorm statistics) and keeps its "
-                      f"current values of {', '.join(map(repr, sorted(run_keys))) or 'its run state'} (RNG states, "
-                      "loader positions: not restored)", RuntimeWarning, stacklevel=3)
+                      f"current {', '.join(map(repr, sorted(run_keys))) or 'run state'} (not restored: it belongs to "
+                      "one rank's run, e.g. its RNG states)", RuntimeWarning, stacklevel=3)
     if source.unused:
         warnings.warn(f"lazyckpt: {path} was saved by more ranks than the {world_size} restoring it; the per-rank "
                       f"values of saved ranks {list(source.unused)} (RNG states, unsynchronized statistics) are not "
