@@ -39,6 +39,9 @@ class AccelerateRollback:
 
     def roll_back(self, bad_step: int) -> int | None:
         """Restore the newest state before ``bad_step``; its step, or None when there is none."""
+        if self.run.sharded:  # process 0 finds the state and broadcasts it whole: replicated state only
+            raise NotImplementedError("hook.rollback() is not supported under FSDP version 2 yet; resume from the "
+                                      "newest checkpoint with hook.resume() in a new run instead")
         try:
             restored = self.policy.restore(bad_step, live=self.run.replicated(), load=self.run.restore_replicated,
                                            optimizers=self.run.optimizers)

@@ -17,6 +17,7 @@ import torch
 
 from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
 
+from . import _accelerate_sharded as sharded
 from . import _compat
 
 FORMAT = "lazyckpt.accelerate/1"
@@ -43,6 +44,8 @@ class PreparedRun:
     prepared_optimizers: list[Any]
     hook: Any
     """The hook itself: registered for ``save_state`` too, but its step is stored once, not as an object."""
+    sharded: bool = False
+    """FSDP version 2: the model and optimizer states are DTensors, saved and restored by name and resharded."""
 
     def hook_into(self, *, before_step: Callable[..., None], after_step: Callable[..., None],
                   forward: Callable[..., None], drain: Callable[[], None]) -> list[Any]:
@@ -53,7 +56,8 @@ class PreparedRun:
         for index, optimizer in enumerate(self.optimizers):
             handles.append(optimizer.register_step_pre_hook(before_step))
             handles.append(optimizer.register_step_post_hook(functools.partial(after_step, index)))
-        handles += [model.register_forward_pre_hook(forward) for model in self.models]
+        # prepend: before FSDP2's own pre-forward unshards the parameters (a state dict taken then would reshard them)
+        handles += [model.register_forward_pre_hook(forward, prepend=True) for model in self.models]
         handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: drain()))
         handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: drain()))
         self.accelerator.register_for_checkpointing(self.hook)
@@ -63,7 +67,10 @@ class PreparedRun:
     def of(cls, accelerator: Any, hook: Any) -> PreparedRun:
         prepared = _compat.prepared(accelerator)
         models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in prepared.models]
-        return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook)
+        if sharded.is_fsdp2(accelerator):
+            sharded.check_supported(models, keep_in_memory=bool(hook.options.engine.get("keep_in_memory")))
+        return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook,
+                   sharded=sharded.is_fsdp2(accelerator))
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -99,14 +106,21 @@ class PreparedRun:
 
     def replicated(self) -> dict[str, Any]:
         scaler = getattr(self.accelerator, "scaler", None)
+        models, optimizers = self.model_and_optimizer_states()
         return {
-            "models": [m.state_dict() for m in self.models],
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "models": models,
+            "optimizers": optimizers,
             "schedulers": [s.state_dict() for s in self.schedulers],
             "scaler": None if scaler is None else scaler.state_dict(),
             "objects": [o.state_dict() for o in self.objects],
             "kinds": self.kinds(),
         }
+
+    def model_and_optimizer_states(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        if self.sharded:
+            model, optimizers = sharded.sharded_states(self.models[0], self.optimizers)
+            return [model], optimizers
+        return [m.state_dict() for m in self.models], [o.state_dict() for o in self.optimizers]
 
     def kinds(self) -> dict[str, list[str]]:
         """Class names of what is registered (and generator names): the first thing a mismatch shows."""
@@ -134,7 +148,7 @@ class PreparedRun:
         there = RunLayout(world_size=saved["world_size"], kinds=saved["kinds"], dataloaders=len(saved["dataloaders"]),
                           models=dict(zip(names, saved["models"])),
                           param_groups=[[len(g["params"]) for g in o["param_groups"]] for o in saved["optimizers"]])
-        return there, here, []
+        return (sharded.any_world_size(there), sharded.any_world_size(here), []) if self.sharded else (there, here, [])
 
     def newest(self, session: CheckpointSession) -> str | None:
         """The newest committed checkpoint, as process 0 sees it: every process must restore the same one."""
@@ -153,10 +167,15 @@ class PreparedRun:
 
         ``load`` is ``lazyckpt.load`` or the session's (which reads a remote URL with the run's options).
         """
-        shared = load(path, verify=verify)
-        saved, here, problems = self.layouts(shared)
+        saved, here, problems = self.layouts(sharded.outline(path) if self.sharded else load(path, verify=verify))
         check_fits(path, saved, here, problems=problems)
         index = self.accelerator.process_index
+        if self.sharded:  # each process reads the parts of the shards it holds now, and its per-process values
+            tree = sharded.restore(path, self.models[0], self.optimizers, rank=index,
+                                   world_size=self.accelerator.num_processes, verify=verify)
+            self.restore(tree, tree)
+            return tree
+        shared = load(path, verify=verify)
         self.restore(shared, shared if index == 0 else load(path, verify=verify, rank=index))
         return shared
 
@@ -167,15 +186,19 @@ class PreparedRun:
                 dl.iteration = saved["iteration"]
             if saved["state"] is not None:
                 dl.load_state_dict(saved["state"])
-        restore_rng(own["rng"], self.generators())
+        if own["rng"] is not None:  # None: a process the checkpoint was not saved by keeps its RNG states
+            restore_rng(own["rng"], self.generators())
         self.accelerator.step = own["accelerator_step"]
 
     def restore_replicated(self, shared: dict[str, Any]) -> None:
         """Models, optimizers, schedulers, scaler and registered objects (what :meth:`replicated` captured)."""
-        for model, saved in zip(self.models, shared["models"]):
-            model.load_state_dict(saved)
-        for optimizer, saved in zip(self.optimizers, shared["optimizers"]):
-            optimizer.load_state_dict(saved)
+        if self.sharded:
+            sharded.set_states(self.models[0], self.optimizers, shared["models"][0], shared["optimizers"])
+        else:
+            for model, saved in zip(self.models, shared["models"]):
+                model.load_state_dict(saved)
+            for optimizer, saved in zip(self.optimizers, shared["optimizers"]):
+                optimizer.load_state_dict(saved)
         for scheduler, saved in zip(self.schedulers, shared["schedulers"]):
             scheduler.load_state_dict(saved)
         scaler = getattr(self.accelerator, "scaler", None)

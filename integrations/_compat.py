@@ -27,15 +27,26 @@ _SUPPORTED = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
 
 def refuse_unsupported_strategy(namespace: str, strategy: Any) -> None:
     """Raise unless ``strategy`` is a single device, DDP or ModelParallel (FSDP2 / tensor parallel, whose state
-    dicts hold DTensors): FSDP and DeepSpeed save sharded collectives that bypass the snapshot path."""
+    dicts hold DTensors that share storage with the parameters, so the copy stays lazy).
+
+    ``FSDPStrategy`` (FSDP version 1) is refused: its sharded state dict all-gathers every parameter and clones
+    each shard on the training thread at every save (torch's ``_sharded_pre_state_dict_hook`` unshards), and its
+    shards are ``ShardedTensor``s unless a device mesh is given. DeepSpeed owns its checkpoint format.
+    """
     strategies = importlib.import_module(f"{namespace}.strategies")
     refused = tuple(getattr(strategies, n) for n in _REFUSED if hasattr(strategies, n))
     supported = tuple(getattr(strategies, n) for n in _SUPPORTED if hasattr(strategies, n))
     if isinstance(strategy, refused) or not isinstance(strategy, supported):
+        why = {"FSDPStrategy": "FSDP version 1 gathers every parameter on the training thread to build a sharded "
+                               "state dict, so no checkpoint of it can be lazy; shard with FSDP2 instead: "
+                               "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) and "
+                               "fully_shard in configure_model",
+               "DeepSpeedStrategy": "DeepSpeed writes its own checkpoint format through its engine"}
         raise NotImplementedError(
-            f"LazyCheckpoint does not support {type(strategy).__name__} yet: FSDP and DeepSpeed checkpoints are "
-            "sharded collectives that bypass its snapshot path. Supported: a single device (strategy='auto'), DDP "
-            "(strategy='ddp') and ModelParallelStrategy (FSDP2 / tensor parallel). Use ModelCheckpoint with others.")
+            f"LazyCheckpoint does not support {type(strategy).__name__}: "
+            f"{why.get(type(strategy).__name__, 'its checkpoints bypass the snapshot path')}. Supported: a single "
+            "device (strategy='auto'), DDP (strategy='ddp') and ModelParallelStrategy (FSDP2 / tensor parallel). "
+            "Use ModelCheckpoint with others.")
 
 
 def loads_checkpoints_itself(strategy: Any) -> bool:
@@ -109,12 +120,18 @@ def inner_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-_UNSUPPORTED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+"""Refused distributed types (FSDP is refused in version 1 only)."""
 
 
 def refuse_unsupported_accelerator(accelerator: Any) -> None:
-    """Raise unless ``accelerator`` prepared something, in one process group, without sharded state."""
+    """Raise unless ``accelerator`` prepared something, in one process group, with replicated state or FSDP
+    version 2 (DTensor shards; version 1 builds its sharded state dict by all-gathering every parameter)."""
     kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False):
+        raise ValueError("LazyCheckpointHook does not support FSDP version 1: its sharded state dict all-gathers "
+                         "every parameter on the training thread at each save; use "
+                         "FullyShardedDataParallelPlugin(fsdp_version=2), or accelerator.save_state()")
     if kind in _UNSUPPORTED:
         raise ValueError(f"LazyCheckpointHook does not support distributed_type={kind}: its state is sharded "
                          "or owned by the engine; use accelerator.save_state() there")

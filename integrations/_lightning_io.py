@@ -98,7 +98,8 @@ def route_sharded_loads(strategy: Any) -> None:
         if not is_lazyckpt_path(path):
             return own(checkpoint_path, weights_only=weights_only)
         return restore_sharded(check_committed(path), strategy.model, strategy.optimizers,
-                               model_key="state_dict", optimizers_key="optimizer_states")
+                               model_key="state_dict", optimizers_key="optimizer_states", run_keys=(EXTRA_KEY,),
+                               rank=strategy.global_rank, world_size=strategy.world_size)
 
     strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
 

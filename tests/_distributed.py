@@ -19,10 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, errors, meet_at_end: bool) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, errors, meet_at_end: bool,
+           backend: str) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         if meet_at_end:
             dist.barrier()
@@ -33,17 +36,18 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, err
     os._exit(0)
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 240.0, meet_at_end: bool = True) -> dict[int, int]:
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 240.0, meet_at_end: bool = True,
+              backend: str = "gloo") -> dict[int, int]:
     """Run ``fn(rank, world_size, *args)`` on every rank; raise the first rank failure; return exit codes.
 
     ``fn`` may end its own process (e.g. ``os.kill(os.getpid(), SIGKILL)``; pass ``meet_at_end=False`` so the
     survivors do not wait for it at a final barrier): its exit code is returned, and the other ranks still have to
-    succeed.
+    succeed. ``backend="nccl"``: one GPU per rank (processes are spawned: CUDA does not survive a fork).
     """
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn" if backend == "nccl" else "fork")
     errors = context.SimpleQueue()
     port = free_port()
-    procs = [context.Process(target=_entry, args=(fn, r, world_size, port, args, errors, meet_at_end)) for r in range(world_size)]
+    procs = [context.Process(target=_entry, args=(fn, r, world_size, port, args, errors, meet_at_end, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:

@@ -138,6 +138,18 @@ def make_crash_callback(pl, crash_at: int):
     return CrashAt()
 
 
+def make_state_at_start_callback(pl, out: str):
+    class StateAtStart(pl.Callback):
+        """Save the restored state (``final_state``) as training starts, before any update: rank 0 to ``out``,
+        rank r > 0 to ``out.rank<r>``."""
+
+        def on_train_start(self, trainer, pl_module):
+            state = final_state(pl_module, trainer)
+            torch.save(state, out if trainer.is_global_zero else f"{out}.rank{trainer.global_rank}")
+
+    return StateAtStart()
+
+
 def final_state(model, trainer) -> dict:
     """The full model and optimizer state (collective under ModelParallelStrategy: every rank calls it)."""
     if getattr(model, "device_mesh", None) is not None:
@@ -153,7 +165,7 @@ def final_state(model, trainer) -> dict:
 
 def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: int = -1, crash_at: int | None = None,
         resume: str | None = None, devices: int = 1, strategy: str = "ddp", seed: int = 0,
-        callback_kwargs: dict | None = None,
+        callback_kwargs: dict | None = None, out_at_start: str | None = None,
         trainer_kwargs: dict | None = None, model_kwargs: dict | None = None):
     """Train ``TinyModel`` with a ``LazyCheckpoint``; returns ``(trainer, model, callback)``."""
     pl, lazy_checkpoint = namespace(ns)
@@ -161,6 +173,7 @@ def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: 
     model = make_module_class(pl)(**(model_kwargs or {}))
     callback = lazy_checkpoint(dirpath, **(callback_kwargs or {}))
     callbacks = [callback] + ([make_crash_callback(pl, crash_at)] if crash_at is not None else [])
+    callbacks += [make_state_at_start_callback(pl, out_at_start)] if out_at_start is not None else []
     kwargs = dict(max_epochs=max_epochs, max_steps=max_steps, callbacks=callbacks, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                   accelerator="cpu", devices=devices, strategy=_strategy(pl, strategy, devices))
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dirpath", required=True)
     parser.add_argument("--out", help="torch.save the final model/optimizer state here (rank 0)")
+    parser.add_argument("--out-at-start", help="torch.save the restored state as training starts (rank 0)")
     parser.add_argument("--ns", default="lightning", choices=["lightning", "pytorch_lightning"])
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--crash-at", type=int)
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
-                            model_kwargs={"stateful_loader": args.stateful_loader})
+                            model_kwargs={"stateful_loader": args.stateful_loader}, out_at_start=args.out_at_start)
     state = final_state(model, trainer) if args.out else None
     if args.out and trainer.is_global_zero:
         torch.save(state, args.out)

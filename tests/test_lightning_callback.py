@@ -179,5 +179,6 @@ def test_a_background_failure_stops_training_and_keeps_older_checkpoints(tmp_pat
 def test_fsdp1_and_deepspeed_are_refused_with_what_is_supported(tmp_path, name):
     strategy = getattr(pl.strategies, name).__new__(getattr(pl.strategies, name))  # DeepSpeed needs its package
     trainer = type("T", (), {"strategy": strategy})()
-    with pytest.raises(NotImplementedError, match="Supported: a single device.*DDP"):
+    why = "shard with FSDP2 instead: ModelParallelStrategy" if name == "FSDPStrategy" else "its own checkpoint"
+    with pytest.raises(NotImplementedError, match=f"{why}.*Supported: a single device.*DDP.*ModelParallelStrategy"):
         LazyCheckpoint(tmp_path).setup(trainer, None, "fit")

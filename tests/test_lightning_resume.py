@@ -36,6 +36,11 @@ def _assert_identical(expected_file, resumed_file, steps_resumed):
     assert resumed["global_step"] == expected["global_step"]
     assert len(resumed["losses"]) == steps_resumed  # it really resumed, and from where we expect
     assert resumed["losses"] == expected["losses"][-steps_resumed:]
+    _assert_same_state(expected, resumed)
+
+
+def _assert_same_state(expected, resumed):
+    """Model and optimizer states equal bit for bit (optimizer state keyed as the run's state dicts key it)."""
     for key, tensor in expected["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), key
     for exp_opt, res_opt in zip(expected["optimizers"], resumed["optimizers"]):
@@ -103,3 +108,24 @@ def test_model_parallel_fsdp2_on_cpu_writes_each_rank_its_shards_and_resumes_bit
     assert whole["head.weight"].shape == (2, 16)
     _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
+
+
+@pytest.mark.parametrize("devices", [3, 1])
+def test_model_parallel_resumes_on_another_number_of_devices_resharded_bit_exact(tmp_path, devices):
+    saved = ("--max-epochs", 1, "--strategy", "model_parallel")  # 64 samples, 2 ranks, batch 8: step 4
+    _train(tmp_path, *saved, "--devices", 2, out=tmp_path / "saved.pt")
+    proc = _train(tmp_path, *saved[2:], "--devices", devices, "--max-epochs", 2, "--resume", "last",
+                  "--out-at-start", tmp_path / "restored.pt")
+    assert ("rank 2 took rank 0's" if devices == 3 else "saved ranks [1]") in proc.stderr  # what was not restored
+    expected = torch.load(tmp_path / "saved.pt", weights_only=False)
+    restored = torch.load(tmp_path / "restored.pt", weights_only=False)
+    assert restored["global_step"] == expected["global_step"] == 4 and restored["losses"] == []
+    _assert_same_state(expected, restored)
+    if devices == 3:  # BatchNorm statistics are per rank: rank 1 gets its own back, the new rank 2 takes rank 0's
+        stats = [torch.load(tmp_path / f"restored.pt.rank{r}", weights_only=False)["model"]["net.1.running_mean"]
+                 for r in (1, 2)]
+        assert torch.equal(stats[1], expected["model"]["net.1.running_mean"])
+        assert not torch.equal(stats[0], expected["model"]["net.1.running_mean"])
+    newest = lazyckpt.latest(tmp_path)
+    assert newest.endswith("step-0000007" if devices == 3 else "step-0000012")  # it trained on, and saved
+    assert len([n for n in os.listdir(newest) if n.endswith(".safetensors")]) == devices

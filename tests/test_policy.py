@@ -15,6 +15,7 @@ import lazyckpt
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, RunLayout, SessionOptions, StepCounter, capture_rng,
                              check_fits, find_generators, restore_rng)
 from _distributed import run_ranks
+from lazyckpt.policy.sharded import PerRankSource, per_rank_source
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage
 
@@ -384,3 +385,14 @@ def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_som
     summary = feedback.finish(lines.append, lambda values, step: metrics.append((step, values)), step=9)
     assert metrics[-1] == (9, summary) and lines[-1].startswith("lazyckpt: 1 checkpoints committed")
     assert RunFeedback().finish(lines.append, lambda values, step: metrics.append(step)) == {} and len(metrics) == 2
+
+
+@pytest.mark.parametrize("rank, world_size, saved, expected", [
+    (1, 2, 2, PerRankSource(rank=1, own=True, unused=())),       # same ranks: each its own
+    (2, 3, 2, PerRankSource(rank=0, own=False, unused=())),      # a new rank reads rank 0's per-rank tensors
+    (0, 1, 2, PerRankSource(rank=0, own=True, unused=(1,))),     # fewer ranks: rank 0 reports the unused ones
+    (1, 2, 4, PerRankSource(rank=1, own=True, unused=())),
+])
+def test_per_rank_values_come_from_the_own_rank_or_rank_zero_when_the_rank_count_changed(rank, world_size, saved,
+                                                                                        expected):
+    assert per_rank_source(rank, world_size, saved) == expected

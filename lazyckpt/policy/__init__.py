@@ -16,7 +16,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed |
-| ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded |
+| ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded; :func:`per_rank_source` when the number of ranks changed |
 | ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files; :func:`check_committed` |
 | ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
 """
@@ -33,12 +33,13 @@ from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_ta
 from lazyckpt.policy.rollback import (NothingToRollBackTo, Restored, RollbackPolicy, StepVote, check_max_rollbacks,
                                       is_nonfinite)
 from lazyckpt.policy.session import CheckpointSession
-from lazyckpt.policy.sharded import restore_sharded
+from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo", "Restored",
            "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote",
            "UpdateLoop", "capture_rng", "check_committed", "check_fits", "check_max_rollbacks", "checkpoint_metrics",
-           "differences", "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "project_defaults",
-           "restore_rng", "restore_sharded", "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]
+           "differences", "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "per_rank_source",
+           "project_defaults", "restore_rng", "restore_sharded", "resume_target", "run_summary", "summary_line",
+           "url_dirpath_levels"]

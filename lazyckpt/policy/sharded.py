@@ -1,29 +1,66 @@
-"""Restoring a model sharded across ranks (FSDP2 ``fully_shard``, tensor parallel) and its optimizers.
+"""Restoring a model sharded across ranks (FSDP2 ``fully_shard``, tensor parallel) and its optimizers, on any
+number of ranks.
 
 The targets come from ``torch.distributed.checkpoint.state_dict`` on the live model and optimizers, so the
 checkpoint is resharded to this run's mesh and world size; :func:`lazyckpt.load_into` fills them in place and
 ``set_*_state_dict`` hands them back. The framework only names where the model and optimizer states sit in its
-checkpoint dict.
+checkpoint dict, and which of its values belong to one rank's run (RNG states, loader positions).
+
+When the number of ranks changed, :func:`per_rank_source` decides where each rank's per-rank values come from:
+sharded tensors always reshard exactly; a rank the checkpoint has no part for takes rank 0's per-rank tensors
+of the model and optimizers (the statistics nothing synchronizes, such as BatchNorm's, the way DDP broadcasts
+rank 0's buffers) and keeps its own current values of the run's per-rank keys, with a warning naming them.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lazyckpt.reader import CheckpointReader
 from lazyckpt.reshard import load_into
 
 
+@dataclass(frozen=True, slots=True)
+class PerRankSource:
+    """Where one rank's per-rank values come from when restoring a checkpoint saved by ``saved`` ranks."""
+
+    rank: int
+    """The saved rank whose per-rank tensors this rank reads (its own, or 0 for a rank that did not exist)."""
+    own: bool
+    """This rank existed when the checkpoint was saved: its per-rank values (RNG states, ...) come back."""
+    unused: tuple[int, ...]
+    """Saved ranks no rank of this run reads (reported once, by rank 0)."""
+
+
+def per_rank_source(rank: int, world_size: int, saved: int) -> PerRankSource:
+    """The per-rank restore plan of ``rank`` in a run of ``world_size`` ranks, from a checkpoint of ``saved``."""
+    unused = tuple(range(world_size, saved)) if rank == 0 else ()
+    return PerRankSource(rank=rank if rank < saved else 0, own=rank < saved, unused=unused)
+
+
 def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                    *, model_key: str, optimizers_key: str, verify: bool = True) -> dict[str, Any]:
+                    *, model_key: str | tuple[str, int], optimizers_key: str, run_keys: Collection[str] = (),
+                    rank: int | None = None, world_size: int | None = None, verify: bool = True) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` from the checkpoint at ``path``; return the rest of its tree.
 
-    ``model_key`` and ``optimizers_key``: where the checkpoint holds the model's state dict and the list of the
-    optimizers' (as ``get_model_state_dict`` / ``get_optimizer_state_dict`` key them). The returned dict holds the
-    target state dicts at those keys, the checkpoint's other values, and this rank's ``PerRank`` values.
+    Args:
+        model_key: where the checkpoint holds the model's state dict (as ``get_model_state_dict`` keys it): a
+            top-level key, or ``(key, index)`` for the index-th of a list of models.
+        optimizers_key: where it holds the list of the optimizers' (``get_optimizer_state_dict``).
+        run_keys: top-level keys holding this rank's run state (RNG states, loader positions): None in the
+            returned dict on a rank the checkpoint was not saved by, which then keeps its current values.
+        rank: this process's rank; world_size: the number of ranks restoring (any number: see the module doc).
+            Default: the default process group's (0 and 1 without one).
+
+    Returns:
+        The target state dicts at ``model_key`` and ``optimizers_key``, the checkpoint's other values, and the
+        per-rank values ``per_rank_source`` chose.
 
     Raises:
         CheckpointMismatchError: a parameter or optimizer state of this run is not in the checkpoint.
@@ -31,10 +68,38 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    targets = {model_key: get_model_state_dict(module),
+    rank, world_size = _group_rank(rank, world_size)
+    source = per_rank_source(rank, world_size, CheckpointReader(os.fspath(path)).world_size)
+    key, index = (model_key, None) if isinstance(model_key, str) else model_key
+    model_state = get_model_state_dict(module)
+    targets = {key: model_state if index is None else [{}] * index + [model_state],
                optimizers_key: [get_optimizer_state_dict(module, opt) for opt in optimizers]}
-    loaded = load_into(path, targets, verify=verify)
-    set_model_state_dict(module, loaded[model_key])
+    loaded = load_into(path, targets, verify=verify, rank=source.rank)
+    set_model_state_dict(module, loaded[key] if index is None else loaded[key][index])
     for opt, state in zip(optimizers, loaded[optimizers_key]):
         set_optimizer_state_dict(module, opt, state)
+    _report_changed_ranks(os.fspath(path), source, rank, world_size, run_keys, loaded)
     return loaded
+
+
+def _group_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    return (rank if rank is not None else dist.get_rank() if grouped else 0,
+            world_size if world_size is not None else dist.get_world_size() if grouped else 1)
+
+
+def _report_changed_ranks(path: str, source: PerRankSource, rank: int, world_size: int, run_keys: Collection[str],
+                          loaded: dict[str, Any]) -> None:
+    if not source.own:
+        for key in run_keys:
+            loaded[key] = None
+        warnings.warn(f"lazyckpt: {path} was saved by fewer ranks than the {world_size} restoring it; rank {rank} "
+                      "took rank 0's per-rank model and optimizer tensors (e.g. BatchNorm statistics) and keeps its "
+                      f"current {', '.join(map(repr, sorted(run_keys))) or 'run state'} (not restored: it belongs to "
+                      "one rank's run, e.g. its RNG states)", RuntimeWarning, stacklevel=3)
+    if source.unused:
+        warnings.warn(f"lazyckpt: {path} was saved by more ranks than the {world_size} restoring it; the per-rank "
+                      f"values of saved ranks {list(source.unused)} (RNG states, unsynchronized statistics) are not "
+                      "used", RuntimeWarning, stacklevel=3)
