@@ -16,8 +16,8 @@ from typing_extensions import override
 
 import lazyckpt
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import (CheckpointNames, CheckpointSession, Committed, EngineOptions, RunFeedback,
-                             SessionOptions, url_dirpath_levels)
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, EngineOptions, RunFeedback, SessionOptions,
+                             url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -113,7 +113,9 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         if stage == "fit" and self.session is None:
             self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
                                                     world_size=trainer.world_size, engine_retention=False)
-            self._names = CheckpointNames(self.session, resumed_from=lambda: getattr(self.trainer, "ckpt_path", None))
+            self._names = CheckpointNames(self.session, lambda: getattr(self.trainer, "ckpt_path", None),
+                                          feedback=self._feedback, info=self._info, each=self._after_save,
+                                          metrics=self._log_metrics if self.log_stats else None)
             if self.rollback_on_nonfinite:
                 self._rollback = LightningRollback(self.session, trainer)
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
@@ -133,26 +135,26 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             super().on_exception(trainer, pl_module, exception)  # save_on_exception
             self._submit(trainer)
         finally:
-            self._close(trainer, raise_errors=False)
+            self._close(raise_errors=False)
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         try:
-            self._close(trainer, raise_errors=True)
+            self._close(raise_errors=True)
         finally:
             super().teardown(trainer, pl_module, stage)
 
-    def _close(self, trainer: Any, *, raise_errors: bool) -> None:
+    def _close(self, *, raise_errors: bool) -> None:
         self._barrier.release()
         if self.session is not None:
             self.session = self._rollback = None
-            self._names.close(lambda committed: self._report(trainer, committed), raise_errors=raise_errors)
+            self._names.close(raise_errors=raise_errors)
 
     # --- hooks where ModelCheckpoint decides: poll, let it decide, request ------------------------------------
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._poll(trainer)
+        self._poll()
         if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
             return  # rolled back: the bad step is not checkpointed
         with warnings.catch_warnings():
@@ -164,13 +166,13 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._poll(trainer)
+        self._poll()
         super().on_train_epoch_end(trainer, pl_module)
         self._submit(trainer)
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._poll(trainer)
+        self._poll()
         super().on_validation_end(trainer, pl_module)
         self._submit(trainer)
 
@@ -178,7 +180,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_end(trainer, pl_module)
         self._submit(trainer)
-        self._poll(trainer, block=True)
+        self._poll(block=True)
         if trainer.is_global_zero:
             self._feedback.finish(self._info, self._log_metrics if self.log_stats else None, step=trainer.global_step)
 
@@ -189,7 +191,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     def wait(self) -> None:
         """Block until every requested checkpoint is committed (and its names are in place)."""
-        self._poll(self.trainer, block=True)
+        self._poll(block=True)
 
     # --- RNG states ---------------------------------------------------------------------------------------------
 
@@ -207,20 +209,14 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     # --- requests and their completion ------------------------------------------------------------------------
 
     def _submit(self, trainer: Any) -> None:
-        """Request the snapshot planned by this hook's saves."""
+        """Request the snapshot planned by this hook's saves (the names report commits to the feedback)."""
         if self._names is not None:
-            self._report(trainer, self._names.submit(
-                lambda step: request_snapshot(self.session, trainer, step, weights_only=self.save_weights_only)))
+            self._names.submit(lambda step: request_snapshot(self.session, trainer, step,
+                                                             weights_only=self.save_weights_only))
 
-    def _poll(self, trainer: Any, *, block: bool = False) -> None:
+    def _poll(self, *, block: bool = False) -> None:
         if self._names is not None:
-            self._report(trainer, self._names.poll(block=block))
-
-    def _report(self, trainer: Any, committed: list[Committed]) -> None:
-        """After commits: keep their stats; rank 0 logs them and tells the loggers a checkpoint exists."""
-        zero = trainer is not None and trainer.is_global_zero
-        self._feedback.report(committed, info=self._info if zero else None, each=self._after_save,
-                              metrics=self._log_metrics if self.log_stats else None)
+            self._names.poll(block=block)
 
     def _info(self, message: str) -> None:
         _rank_zero_info(self._namespace, message)

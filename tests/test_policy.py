@@ -205,13 +205,13 @@ def test_sessions_on_one_directory_share_one_engine_and_one_snapshot_per_step(tm
     best.submit(save)
     every.submit(save)
     assert handles[0] is handles[1], "the second request of a step gets the first one's snapshot"
-    best.close(lambda committed: None, raise_errors=True)
+    best.close(raise_errors=True)
     for step in (2, 3):  # the engine stays open for the other user; its drops never delete what best names
         every.plan(step, str(tmp_path / f"every-{step}.ckpt"))
         every.drop(str(tmp_path / f"every-{step - 1}.ckpt"))
         every.submit(save)
         first.barrier()
-    every.close(lambda committed: None, raise_errors=True)
+    every.close(raise_errors=True)
     assert os.readlink(tmp_path / "best.ckpt") == "step-0000001"
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(("step-", "every-"))) == [
         "every-3.ckpt", "step-0000001", "step-0000003"]

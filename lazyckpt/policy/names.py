@@ -9,7 +9,8 @@ it: the names become the steps to protect of :meth:`CheckpointSession.purge`.
 
 One step's names are planned while the framework decides (:meth:`CheckpointNames.plan`, ``copy``, ``drop``),
 the snapshot is requested once (:meth:`~CheckpointNames.submit`), and :meth:`~CheckpointNames.poll` publishes
-the committed ones, oldest first.
+the committed ones, oldest first. Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback`
+(stats, the "saved" messages that waited for it, the loggers) when one is given.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.format import step_dirname
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
+from lazyckpt.policy.feedback import Metrics, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
 
 logger = logging.getLogger(__name__)
@@ -57,11 +59,18 @@ class CheckpointNames:
         session: the run's session (rank 0 alone changes names and deletes).
         resumed_from: returns the path the run resumed from: never deleted before this run's first commit, then
             kept only while a name or ``keep_last_k`` keeps it.
+        feedback: records every commit found (:meth:`RunFeedback.report`); on rank 0 its waiting messages go to
+            ``info``, its stats to ``metrics`` (when given), then ``each(step)`` runs (e.g. tell the loggers).
     """
 
-    def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None, *,
+                 feedback: RunFeedback | None = None, info: Callable[[str], None] | None = None,
+                 metrics: Metrics | None = None, each: Callable[[int], None] | None = None) -> None:
         self._session = session
         self._resumed_from = resumed_from
+        self._feedback = feedback
+        self._info = info if session.rank == 0 else None  # one rank logs
+        self._metrics, self._each = metrics, each
         self._names: dict[str, int] = {}
         self._requests: list[_Request] = []
         self._current: _Request | None = None
@@ -119,7 +128,8 @@ class CheckpointNames:
         return self.poll()  # a save may have finished the previous request first (on_busy="wait")
 
     def poll(self, *, block: bool = False, limit: int | None = None) -> list[Committed]:
-        """Publish the requests that are committed (all of them when ``block``), oldest first; returns them.
+        """Publish the requests that are committed (all of them when ``block``), oldest first; reports and
+        returns them.
 
         A failed request is dropped with its name changes; the engine raises its failure at its next call.
         """
@@ -135,15 +145,20 @@ class CheckpointNames:
             stats = next((s for s in reversed(self._session.engine.stats) if s.step == request.step), None)
             self._publish(request)
             committed.append(Committed(request.step, stats))
+        self._report(committed)
         return committed
 
-    def close(self, report: Callable[[list[Committed]], None], *, raise_errors: bool) -> None:
-        """Publish every request (``report`` gets the committed ones), then close the session. The first failure
-        is raised when ``raise_errors``, else logged: a run that is failing already keeps its own exception."""
+    def _report(self, committed: list[Committed]) -> None:
+        if self._feedback is not None and committed:
+            self._feedback.report(committed, info=self._info, metrics=self._metrics, each=self._each)
+
+    def close(self, *, raise_errors: bool) -> None:
+        """Publish (and report) every request, then close the session. The first failure is raised when
+        ``raise_errors``, else logged: a run that is failing already keeps its own exception."""
         error = None
         try:
             while self._requests:  # one at a time, so the ones before a failure are reported
-                report(self.poll(block=True, limit=1))
+                self.poll(block=True, limit=1)
         except BaseException as e:  # noqa: BLE001 - re-raised below or logged
             error = e
         finally:
