@@ -16,8 +16,8 @@ from typing_extensions import override
 
 import lazyckpt
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import (CheckpointNames, CheckpointSession, EngineOptions, RunFeedback, SessionOptions,
-                             url_dirpath_levels)
+from lazyckpt.policy import (CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
+                             SessionOptions, url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
@@ -79,7 +79,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         self._feedback = RunFeedback(self.stats)
         self._trainer_ref: Any = _no_trainer
         self._names: CheckpointNames | None = None
-        self._loaded_rng: dict[str, Any] | None = None
+        self._resumed_rng = ResumedRng()
         self._barrier = self._barrier_class(self)
         self.wait_at_epoch_start = False
 
@@ -123,9 +123,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
-        if self._loaded_rng is not None:
-            restore_train_rng(trainer, self._loaded_rng)
-            self._loaded_rng = None
+        restore_train_rng(trainer, self._resumed_rng)
         if self._rollback is not None:
             self._rollback.on_train_start(trainer)
 
@@ -203,8 +201,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        extra = checkpoint.get(EXTRA_KEY)
-        self._loaded_rng = extra.get("rng") if isinstance(extra, dict) else None
+        self._resumed_rng.loaded(checkpoint.get(EXTRA_KEY))
 
     # --- requests and their completion ------------------------------------------------------------------------
 

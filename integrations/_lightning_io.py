@@ -29,8 +29,8 @@ from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.export import export_lightning as export_checkpoint
 from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
-from lazyckpt.policy import (CheckpointSession, RunLayout, capture_rng, check_committed, check_fits, find_generators,
-                             restore_rng, restore_sharded)
+from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, capture_rng, check_committed, check_fits,
+                             find_generators, restore_sharded)
 
 from . import _compat
 
@@ -73,16 +73,16 @@ def per_rank_extra(trainer: Any) -> dict[str, Any]:
             "version": lazyckpt.__version__}
 
 
-def restore_train_rng(trainer: Any, rng: dict[str, Any]) -> None:
-    """Restore the RNG states a checkpoint captured, at the start of training.
+def restore_train_rng(trainer: Any, rng: ResumedRng) -> None:
+    """Restore the RNG states a loaded checkpoint captured (if any), at the start of training.
 
     Lightning created the train iterator (drawing from the RNGs) before ``on_train_start``; after the restore the
     iterator is created again so its draws match the uninterrupted run. A stateful loader already got its own state
     from Lightning: re-creating its iterator would lose it.
     """
     loaders = _compat.train_loaders(trainer)
-    restore_rng(rng, find_generators(loaders, "train"))
-    if not any(callable(getattr(dl, "load_state_dict", None)) for dl in loaders):
+    if rng.restore(lambda: find_generators(loaders, "train")) and not any(
+            callable(getattr(dl, "load_state_dict", None)) for dl in loaders):
         _compat.restart_train_iterator(trainer)
 
 

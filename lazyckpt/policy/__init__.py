@@ -12,7 +12,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
 | ``aliases`` | the names on disk (links through the storage seam) |
-| ``randomness`` | RNG states and the generators behind data loaders |
+| ``randomness`` | RNG states and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore |
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed |
@@ -28,7 +28,7 @@ from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.names import CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
-from lazyckpt.policy.randomness import capture_rng, find_generators, restore_rng
+from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_target
 from lazyckpt.policy.rollback import (NothingToRollBackTo, Restored, RollbackPolicy, StepVote, check_max_rollbacks,
                                       is_nonfinite)
@@ -38,7 +38,7 @@ from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo", "Restored",
-           "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote",
+           "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote",
            "UpdateLoop", "capture_rng", "check_committed", "check_fits", "check_max_rollbacks", "checkpoint_metrics",
            "differences", "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "per_rank_source",
            "project_defaults", "restore_rng", "restore_sharded", "resume_target", "run_summary", "summary_line",

@@ -2,6 +2,7 @@
 
 One way to find a loader's generators serves every integration, and the captured tree holds only tensors and
 plain values, so a Lightning checkpoint exported from it loads under ``torch.load(weights_only=True)``.
+:class:`ResumedRng` holds a loaded checkpoint's state until the run's loaders exist to restore it into.
 """
 
 from __future__ import annotations
@@ -59,3 +60,23 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
     common = {k: g for k, g in generators.items() if k in saved}
     restore_rng_state(state, common)
     return sorted(common)
+
+
+class ResumedRng:
+    """The RNG state a loaded checkpoint carries, kept from the load until the run can restore it (a framework may
+    load the checkpoint before it creates the loaders whose generators it restores), then restored once."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] | None = None
+
+    def loaded(self, extra: Any) -> None:
+        """Keep the ``"rng"`` entry of a checkpoint's per-rank extra (a checkpoint without one: nothing to restore)."""
+        self._state = extra.get("rng") if isinstance(extra, dict) else None
+
+    def restore(self, generators: Callable[[], dict[str, torch.Generator]]) -> bool:
+        """Restore the kept state, with the loaders' ``generators()``, and forget it; False when none was kept."""
+        if self._state is None:
+            return False
+        state, self._state = self._state, None
+        restore_rng(state, generators())
+        return True
