@@ -18,7 +18,6 @@ import importlib
 import io
 import logging
 import os
-import warnings
 import weakref
 from typing import Any
 
@@ -26,7 +25,6 @@ import torch
 
 import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.export import export_lightning as export_checkpoint
 from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
 from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, capture_rng, check_committed, check_fits,
@@ -109,12 +107,9 @@ def request_snapshot(session: CheckpointSession, trainer: Any, step: int, *,
     """Request the checkpoint ``trainer.save_checkpoint`` would write, lazily (None: the step exists already)."""
     checkpoint = _compat.dump_checkpoint(trainer, weights_only)
     frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
-    try:  # DDP replicates the model and optimizer; every rank has its own RNG states
-        return session.save(step, replicated=checkpoint, per_rank={EXTRA_KEY: checkpoint.get(EXTRA_KEY)},
-                            optimizers=trainer.optimizers, immutable=frozen)
-    except StepAlreadyCommittedError as e:
-        warnings.warn(f"lazyckpt: not saving step {step}: {e}", RuntimeWarning, stacklevel=4)
-        return None
+    # DDP replicates the model and optimizer; every rank has its own RNG states
+    return session.save(step, replicated=checkpoint, per_rank={EXTRA_KEY: checkpoint.get(EXTRA_KEY)},
+                        optimizers=trainer.optimizers, immutable=frozen, if_committed="warn")
 
 
 # ------------------------------------------------------------------------------------------ CheckpointIO

@@ -22,12 +22,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
+from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
@@ -119,7 +120,8 @@ class CheckpointSession:
     def save(self, step: int, *, replicated: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
              per_rank: Mapping[str, Any],
              optimizers: Iterable[torch.optim.Optimizer] = (), immutable: Iterable[Any] = (),
-             started: float | None = None) -> PendingCheckpoint:
+             started: float | None = None,
+             if_committed: Literal["raise", "warn"] = "raise") -> PendingCheckpoint | None:
         """Request the checkpoint of ``step`` on this rank.
 
         ``replicated`` values are the same on every rank (a DDP model, its optimizer): inside a process group
@@ -134,12 +136,21 @@ class CheckpointSession:
         Args:
             started: when capturing this checkpoint began (``time.monotonic()``), if before this call; that time
                 counts towards its stall.
+            if_committed: when ``step`` is committed or in flight already: ``raise``
+                :class:`~lazyckpt.StepAlreadyCommittedError`, or ``warn`` and save nothing (returns None; a
+                framework that saves on its own schedule, e.g. again at the step it resumed from).
         """
         if self._last is not None and self._last.step == step:
             return self._last  # a second integration sharing this session asks for the step already requested
         started = time.monotonic() if started is None else started
         state, optimizers, immutable = self._rank_state(replicated, per_rank, optimizers, immutable)
-        pending = self._last = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
+        try:
+            pending = self._last = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
+        except StepAlreadyCommittedError as e:
+            if if_committed == "raise":
+                raise
+            warnings.warn(f"lazyckpt: not saving step {step}: {e}", RuntimeWarning, stacklevel=2)
+            return None
         if not pending.skipped:
             self._awaiting_barrier = step
             self._add_stall(step, time.monotonic() - started)
