@@ -74,8 +74,8 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
                 agree: Callable[[str], None] | None) -> CheckpointJob:
     """Build the job for one ``save()``; eager tensors are copied before this returns.
 
-    Only the tensors this rank owns are planned (see :mod:`lazyckpt.sharding`). ``agree`` is the ranks' meeting
-    point (None: no store); it receives the plan's signature and raises when the ranks' states do not agree.
+    Only the tensors this rank owns are planned (see :mod:`lazyckpt.sharding`). ``agree`` publishes the plan's
+    signature to the other ranks (None: no store); it raises when it met them and their states do not agree.
     """
     tree, leaves, deferred, per_rank = flatten(state)
     owned = plan_ownership(leaves, per_rank, rank=config.rank, world_size=config.world_size,

@@ -46,6 +46,7 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     summary = tensor_summary(doc["tensors"])
     if rendezvous is not None:
         everyone = rendezvous.gather(job.attempt, summary)
+        rendezvous.check_plans(job.attempt)  # save() met only the ranks whose state changed: check them all here
         if rendezvous.leader != job.rank:
             rendezvous.wait_committed(job.attempt)
             return

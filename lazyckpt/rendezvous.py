@@ -68,6 +68,8 @@ class Rendezvous:
                  timeout_s: float, clear_dir: Callable[[], None]) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self._can_delete = True
+        self._agreed: str | None = None
+        """The last plan signature every rank agreed on at save() (None before the first save)."""
         count = _INSTANCES.get((id(store), rank), 0)
         _INSTANCES[(id(store), rank)] = count + 1
         run_key = f"lazyckpt/checkpointer-{count}"
@@ -100,16 +102,43 @@ class Rendezvous:
     # --- save: the ranks' states must agree ----------------------------------------------------------------
 
     def agree(self, attempt: int, signature: str) -> None:
-        """Raise unless every rank's plan has the same signature (same tensors, dtypes and global shapes)."""
+        """Publish this rank's plan signature (its tensors' keys, dtypes and global shapes) for ``attempt``.
+
+        The training thread waits for the other ranks' signatures only when this one differs from the last one
+        every rank agreed on (the first save, or this rank's state changed): a rank whose state changed is the
+        one that meets, and the commit checks the others (:meth:`check_plans`). On a mismatch this rank
+        abandons the attempt, so the ranks that did not wait stop waiting for it at once, and raises."""
         self.store.set(f"{self.prefix}/{attempt}/plan/{self.rank}", signature.encode())
-        keys = [f"{self.prefix}/{attempt}/plan/{r}" for r in range(self.world_size)]
+        if signature == self._agreed:
+            return
+        keys = self._plan_keys(attempt)
         self._wait(keys, "every rank to call save() for the same step")
-        differing = [r for r, value in enumerate(self.store.multi_get(keys)) if value.decode() != signature]
-        if differing:
-            raise ValueError(
-                f"the state passed to save() on rank {self.rank} differs from rank(s) {differing[:8]} in its tensor "
-                "keys, dtypes or (global) shapes. Plain tensors are taken as replicated (identical on every rank) "
-                "and written once: shard them as DTensors, or wrap per-rank values in lazyckpt.PerRank(...)")
+        error = self._mismatch(signature, self.store.multi_get(keys))
+        if error is not None:
+            self.abandon(attempt, str(error))
+            raise error
+        self._agreed = signature
+
+    def check_plans(self, attempt: Attempt) -> None:
+        """Raise unless every rank published this rank's plan signature for ``attempt`` (commit, once every rank
+        is durable: every rank published its signature by then)."""
+        keys = self._plan_keys(attempt)
+        values = self.store.multi_get(keys)
+        error = self._mismatch(values[self.rank].decode(), values)
+        if error is not None:
+            raise error
+
+    def _plan_keys(self, attempt: Attempt) -> list[str]:
+        return [f"{self.prefix}/{attempt}/plan/{r}" for r in range(self.world_size)]
+
+    def _mismatch(self, signature: str, values: list[bytes]) -> ValueError | None:
+        differing = [r for r, value in enumerate(values) if value.decode() != signature]
+        if not differing:
+            return None
+        return ValueError(
+            f"the state passed to save() on rank {self.rank} differs from rank(s) {differing[:8]} in its tensor "
+            "keys, dtypes or (global) shapes. Plain tensors are taken as replicated (identical on every rank) "
+            "and written once: shard them as DTensors, or wrap per-rank values in lazyckpt.PerRank(...)")
 
     # --- commit (background threads) -----------------------------------------------------------------------
 

@@ -114,3 +114,14 @@ def test_rank_0_commits_an_upload_once_every_rank_announced_it(tmp_path):
         lambda: writes.append(StoreMeeting(rank1, rank=1, timeout_s=30).commit(attempt, "u", lambda: 1 / 0)))
     assert raised == [None, None] and sorted(writes) == [0, 7], "rank 0 wrote the commit object, rank 1 waited"
     assert not rank0.store.check([f"{rank0.prefix}/{attempt}/durable/0"]), "forgotten once both are past it"
+
+
+def test_the_commit_check_refuses_an_attempt_whose_ranks_published_different_plans(tmp_path):
+    rank0, rank1 = two_ranks_meeting(str(tmp_path))
+    for rendezvous, signature in ((rank0, b"a"), (rank1, b"b")):
+        rendezvous.store.set(f"{rendezvous.prefix}/1/plan/{rendezvous.rank}", signature)
+    with pytest.raises(ValueError, match=r"on rank 0 differs from rank\(s\) \[1\]"):
+        rank0.check_plans(1)
+    rank1.store.set(f"{rank1.prefix}/2/plan/0", b"a")
+    rank1.store.set(f"{rank1.prefix}/2/plan/1", b"a")
+    rank1.check_plans(2)
