@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from lazyckpt.policy import RunLayout, restore_sharded
+from lazyckpt.policy.sharded import set_sharded_states as set_states
+from lazyckpt.policy.sharded import sharded_states
 from lazyckpt.reader import CheckpointReader
 
 RUN_KEYS = ("rng",)
@@ -40,13 +42,6 @@ def check_supported(models: list[torch.nn.Module], *, keep_in_memory: bool) -> N
                          "in-memory snapshot and rollback serve replicated (DDP) state only; drop keep_in_memory")
 
 
-def sharded_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[dict]]:
-    """The model's and optimizers' state dicts with DTensor leaves (each process's shards), keyed by name."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return get_model_state_dict(model), [get_optimizer_state_dict(model, opt) for opt in optimizers]
-
-
 def outline(path: str) -> Any:
     """Process 0's tree with each tensor a placeholder of its global shape (nothing read): for the fit check."""
     return CheckpointReader(path).outline(0)
@@ -63,13 +58,3 @@ def restore(path: str, model: torch.nn.Module, optimizers: list[torch.optim.Opti
     """Fill the model's and optimizers' shards in place; the checkpoint's tree as this process sees it."""
     return restore_sharded(path, model, optimizers, model_key=("models", 0), optimizers_key="optimizers",
                            run_keys=RUN_KEYS, rank=rank, world_size=world_size, verify=verify)
-
-
-def set_states(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], model_state: dict[str, Any],
-               optimizer_states: list[dict[str, Any]]) -> None:
-    """Load state dicts keyed as :func:`sharded_states` keys them (a rollback's snapshot, a filled target)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    set_model_state_dict(model, model_state)
-    for optimizer, state in zip(optimizers, optimizer_states):
-        set_optimizer_state_dict(model, optimizer, state)

@@ -67,10 +67,11 @@ class PreparedRun:
     def of(cls, accelerator: Any, hook: Any) -> PreparedRun:
         prepared = _compat.prepared(accelerator)
         models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in prepared.models]
-        if sharded.is_fsdp2(accelerator):
+        fsdp2 = sharded.is_fsdp2(accelerator)
+        if fsdp2:
             sharded.check_supported(models, keep_in_memory=bool(hook.options.engine.get("keep_in_memory")))
         return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook,
-                   sharded=sharded.is_fsdp2(accelerator))
+                   sharded=fsdp2)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -167,7 +168,8 @@ class PreparedRun:
 
         ``load`` is ``lazyckpt.load`` or the session's (which reads a remote URL with the run's options).
         """
-        saved, here, problems = self.layouts(sharded.outline(path) if self.sharded else load(path, verify=verify))
+        shared = None if self.sharded else load(path, verify=verify)  # read once: the fit check and the restore
+        saved, here, problems = self.layouts(sharded.outline(path) if self.sharded else shared)
         check_fits(path, saved, here, problems=problems)
         index = self.accelerator.process_index
         if self.sharded:  # each process reads the parts of the shards it holds now, and its per-process values
@@ -175,7 +177,6 @@ class PreparedRun:
                                    world_size=self.accelerator.num_processes, verify=verify)
             self.restore(tree, tree)
             return tree
-        shared = load(path, verify=verify)
         self.restore(shared, shared if index == 0 else load(path, verify=verify, rank=index))
         return shared
 

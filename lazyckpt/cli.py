@@ -93,6 +93,8 @@ class _Cli:
     def _monitored(self, path: str, names: list[str]) -> str:
         """``monitor=score`` of this step's top-k names, from the ``ModelCheckpoint`` state a Lightning checkpoint
         holds (the score's bytes alone are read); empty when none is known."""
+        if not names:  # only a top-k name can carry a score: do not open the checkpoint
+            return ""
         try:
             return ", ".join(f"{monitor}={score:.5g}" for monitor, score in
                              monitored_scores(CheckpointReader(path, self.storage), set(names)))

@@ -87,7 +87,7 @@ class Copier:
             return self.memory.pool_bytes(job)
         if self.budget_bytes is None:
             return lazy_bytes(job.entries)
-        return self.max_in_flight * PIECE_BYTES * sum(1 for piece in job.pieces if piece.lazy)
+        return self.max_in_flight * PIECE_BYTES * MemoryLevel.slots_per_checkpoint(job)
 
     def _pool_for(self, nbytes: int) -> HostBufferPool:
         wanted = slots_for(self.budget_bytes, nbytes)

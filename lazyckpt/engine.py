@@ -392,8 +392,9 @@ class LazyCheckpointer:
     def _finalize(self, job: CheckpointJob) -> None:
         """Writer thread, after the job's last write: make the file durable, then commit if the tree is complete."""
         if finalize(job, self.storage, self.config, self._rendezvous):
-            self._commit_off_writer(job)
-        self._drop_if_discarded(job)
+            self._commit_off_writer(job)  # the commit drops the job's memory slots if it ends discarded
+        else:
+            self._drop_if_discarded(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:
         """Writer thread. With several ranks the commit waits for the others, and any commit waits for the earlier

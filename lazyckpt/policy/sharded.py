@@ -65,21 +65,32 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
     Raises:
         CheckpointMismatchError: a parameter or optimizer state of this run is not in the checkpoint.
     """
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
     rank, world_size = _group_rank(rank, world_size)
     source = per_rank_source(rank, world_size, CheckpointReader(os.fspath(path)).world_size)
     key, index = (model_key, None) if isinstance(model_key, str) else model_key
-    model_state = get_model_state_dict(module)
-    targets = {key: model_state if index is None else [{}] * index + [model_state],
-               optimizers_key: [get_optimizer_state_dict(module, opt) for opt in optimizers]}
+    model_state, optimizer_states = sharded_states(module, optimizers)
+    targets = {key: model_state if index is None else [{}] * index + [model_state], optimizers_key: optimizer_states}
     loaded = load_into(path, targets, verify=verify, rank=source.rank)
-    set_model_state_dict(module, loaded[key] if index is None else loaded[key][index])
-    for opt, state in zip(optimizers, loaded[optimizers_key]):
-        set_optimizer_state_dict(module, opt, state)
+    set_sharded_states(module, optimizers, loaded[key] if index is None else loaded[key][index], loaded[optimizers_key])
     _report_changed_ranks(os.fspath(path), source, rank, world_size, run_keys, loaded)
     return loaded
+
+
+def sharded_states(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[dict]]:
+    """The model's and optimizers' state dicts with DTensor leaves (each rank's shards), keyed by name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return get_model_state_dict(module), [get_optimizer_state_dict(module, opt) for opt in optimizers]
+
+
+def set_sharded_states(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], model_state: dict[str, Any],
+                       optimizer_states: list[dict[str, Any]]) -> None:
+    """Load state dicts keyed as :func:`sharded_states` keys them (a filled target, a rollback's snapshot)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(module, model_state)
+    for optimizer, state in zip(optimizers, optimizer_states):
+        set_optimizer_state_dict(module, optimizer, state)
 
 
 def _group_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
