@@ -23,9 +23,6 @@ from lazyckpt.storage import Storage
 from lazyckpt.threads import COPIER_NICE, start_background_thread
 from lazyckpt.writer import CallTask, SharedWriter, WriteTask
 
-MAX_BATCH_PIECES = 64
-"""Pieces handed to the backend at once (one Triton launch, one stream sync)."""
-
 
 class Copier:
     """Owns the host pool and the copy thread of one checkpointer."""
@@ -69,8 +66,9 @@ class Copier:
         pool = self._pool_for(self._pool_bytes(job))
         lazy = [p for p in job.pieces if p.lazy]
         flat = [self.backend.prepare_source(t) if e.lazy else None for e, t in zip(job.entries, job.sources)]
-        for start in range(0, len(lazy), MAX_BATCH_PIECES):
-            self._copy_batch(job, flat, lazy[start : start + MAX_BATCH_PIECES], pool, writer)
+        batch = self.backend.max_batch_pieces
+        for start in range(0, len(lazy), batch):
+            self._copy_batch(job, flat, lazy[start : start + batch], pool, writer)
             if job.failed:
                 return
         _check_versions(job)

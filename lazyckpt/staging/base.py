@@ -25,6 +25,9 @@ class CopyBackend(ABC):
     """One way of copying tensors to host staging buffers (see the module docstring for the contract)."""
 
     name: str = "abstract"
+    max_batch_pieces: int = 64
+    """Pieces handed to :meth:`copy_pieces` at once: many for the GPU backends (one Triton launch, one stream
+    sync per batch), one for a backend that copies synchronously, so the writer can start on the first piece."""
 
     def on_request(self, sources: Sequence[torch.Tensor]) -> None:
         """Called in ``save()`` on the training thread with the lazy sources (default: nothing to order)."""

@@ -1,4 +1,4 @@
-"""The ``cpu`` copy backend: plain ``copy_`` chunk by chunk on the copier thread (it releases the GIL)."""
+"""The ``cpu`` copy backend: each checksum chunk copied and checksummed in one pass on the copier thread."""
 
 from __future__ import annotations
 
@@ -6,25 +6,23 @@ from collections.abc import Sequence
 
 import torch
 
-from lazyckpt.plan import Piece, segment_runs
+from lazyckpt.plan import Piece
 from lazyckpt.staging.base import CopyBackend
+from lazyckpt.staging.segments import copy_on_host, segment_refs, split_by_piece
 
 
 class CpuCopyBackend(CopyBackend):
-    """Copies with ``Tensor.copy_`` (it releases the GIL); the writer checksums the staged bytes later.
+    """Copies with :func:`lazyckpt.checksum.copy_checksum`, which mixes each word into the checksum as it moves it.
 
-    Measured on 2 cores: checksumming in the copy pass doubled the time until the barrier could pass
-    (staging 300 MB took ~280 ms instead of ~130 ms while the writer ran), so the checksum moved to the writer.
+    The fused copy costs what a plain copy does (289 MiB on one core: 23 against 21 ms), so the writer is left
+    with writing only. It releases the GIL. One piece per batch: the writer starts on the first piece while the
+    next one is copied, instead of after the whole checkpoint is staged.
     """
 
     name = "cpu"
+    max_batch_pieces = 1
 
     def copy_pieces(
         self, sources: Sequence[torch.Tensor], pieces: Sequence[Piece], slots: Sequence[torch.Tensor]
-    ) -> None:
-        for piece, slot in zip(pieces, slots):
-            for run in segment_runs(piece):  # one copy per run of a tensor's consecutive chunks
-                first, nbytes = run[0], sum(seg.nbytes for seg in run)
-                src = sources[first.tensor_index][first.src_offset : first.src_offset + nbytes]
-                slot[first.dst_offset : first.dst_offset + nbytes].copy_(src)
-        return None
+    ) -> list[list[int]]:
+        return split_by_piece(pieces, copy_on_host(sources, slots, segment_refs(pieces)))

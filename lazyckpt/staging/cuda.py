@@ -27,9 +27,16 @@ from contextlib import contextmanager
 
 import torch
 
-from lazyckpt.checksum import checksum_bytes
-from lazyckpt.plan import Piece, Segment
+from lazyckpt.plan import Piece
 from lazyckpt.staging.base import CopyBackend
+from lazyckpt.staging.segments import (
+    SegmentRef,
+    copy_on_host,
+    segment_refs,
+    slot_range,
+    source_range,
+    split_by_piece,
+)
 from lazyckpt.triton_kernels import (
     CopySegment,
     TableCache,
@@ -43,10 +50,6 @@ _NO_CUDA = (
     "copy_backend={name!r} needs a CUDA device, but torch.cuda.is_available() is False; use copy_backend='cpu' "
     "(or 'auto')"
 )
-
-SegmentRef = tuple[int, Segment]
-"""A segment together with the index of the piece (and slot) it belongs to."""
-
 
 def require_cuda(name: str) -> None:
     """Raise RuntimeError naming the backend when CUDA is unavailable."""
@@ -106,45 +109,6 @@ class StreamOrder:
         done, self._done = self._done, []
         for event in done:
             event.synchronize()
-
-
-def segment_refs(pieces: Sequence[Piece]) -> list[SegmentRef]:
-    """Every segment of ``pieces`` in order, tagged with its piece index (= its slot's index)."""
-    return [(i, seg) for i, piece in enumerate(pieces) for seg in piece.segments]
-
-
-def split_by_piece(pieces: Sequence[Piece], flat: Sequence[int]) -> list[list[int]]:
-    """Cut a flat list of per-segment values back into one list per piece."""
-    out, start = [], 0
-    for piece in pieces:
-        out.append(list(flat[start : start + len(piece.segments)]))
-        start += len(piece.segments)
-    return out
-
-
-def slot_range(slot: torch.Tensor, seg: Segment) -> torch.Tensor:
-    return slot[seg.dst_offset : seg.dst_offset + seg.nbytes]
-
-
-def source_range(source: torch.Tensor, seg: Segment) -> torch.Tensor:
-    return source[seg.src_offset : seg.src_offset + seg.nbytes]
-
-
-def copy_on_host(
-    sources: Sequence[torch.Tensor],
-    slots: Sequence[torch.Tensor],
-    refs: Sequence[SegmentRef],
-    *,
-    checksum: bool = True,
-) -> list[int]:
-    """Copy CPU-resident segments with ``copy_``; their CPU checksums if ``checksum``, else ``[]``."""
-    sums = []
-    for piece, seg in refs:
-        dst = slot_range(slots[piece], seg)
-        dst.copy_(source_range(sources[seg.tensor_index], seg))
-        if checksum:
-            sums.append(checksum_bytes(dst.numpy()))
-    return sums
 
 
 def remap_sources(

@@ -28,17 +28,8 @@ import torch
 from lazyckpt.checksum import CHUNK_BYTES
 from lazyckpt.plan import Piece
 from lazyckpt.staging.base import CopyBackend
-from lazyckpt.staging.cuda import (
-    SegmentRef,
-    StreamOrder,
-    copy_on_host,
-    fill,
-    remap_sources,
-    segment_refs,
-    slot_range,
-    source_range,
-    split_by_piece,
-)
+from lazyckpt.staging.cuda import StreamOrder, fill, remap_sources
+from lazyckpt.staging.segments import SegmentRef, copy_on_host, segment_refs, slot_range, source_range, split_by_piece
 from lazyckpt.triton_kernels import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_NUM_PROGRAMS,
