@@ -16,10 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from functools import cache
+import sys
 
 import numpy as np
 import torch
+
+from lazyckpt._native import lzc64
 
 ALGORITHM = "lzc64-v1"
 CHUNK_BYTES = 1 << 20
@@ -28,39 +30,11 @@ M1 = 0xBF58476D1CE4E5B9
 SHIFT = 29
 _MASK64 = (1 << 64) - 1
 
-
-@cache
-def _kernels():
-    """The compiled mixing loops, built on first use so that importing lazyckpt does not import numba.
-
-    One fused pass per word in machine code (numba): measured 5x faster than the five numpy vector passes it
-    replaced, and a copy that mixes each word as it moves it costs the same as a plain copy, so the bytes are
-    read from memory once. ``nogil``: the copier, the writer and the loader checksum concurrently; ``cache``:
-    later processes load the machine code instead of compiling it again (~0.7 s).
-    """
-    import numba
-
-    k1, m1, shift = np.uint64(K1), np.uint64(M1), np.uint64(SHIFT)
-
-    @numba.njit(nogil=True, cache=True)
-    def mix_sum(words, first):  # sum(x) of the module docstring over words[0..n), word 0 being word `first`
-        total = np.uint64(0)
-        for i in range(words.size):
-            x = (words[i] ^ (np.uint64(first + i + 1) * k1)) * m1
-            total += x ^ (x >> shift)
-        return total
-
-    @numba.njit(nogil=True, cache=True)
-    def copy_mix_sum(dest, source, first):  # copies source into dest and returns mix_sum(source, first)
-        total = np.uint64(0)
-        for i in range(source.size):
-            word = source[i]
-            dest[i] = word
-            x = (word ^ (np.uint64(first + i + 1) * k1)) * m1
-            total += x ^ (x >> shift)
-        return total
-
-    return mix_sum, copy_mix_sum
+# The mixing loop is C (lazyckpt/_native/lzc64.c), one pass per word with the GIL released: measured 5x faster
+# than the five numpy vector passes it replaced (~25 GB/s on one core), and a copy that mixes each word as it
+# moves it costs what a plain copy does, so the bytes are read from memory once. It reads words in host order.
+if sys.byteorder != "little":
+    raise ImportError("lazyckpt's checksum reads little-endian words in host order; this host is big-endian")
 
 
 def checksum_bytes(chunk: np.ndarray) -> int:
@@ -68,11 +42,10 @@ def checksum_bytes(chunk: np.ndarray) -> int:
     nbytes = chunk.size
     if nbytes > CHUNK_BYTES:
         raise ValueError(f"chunk of {nbytes} bytes exceeds CHUNK_BYTES={CHUNK_BYTES}; split it first")
-    mix_sum, _ = _kernels()
     whole = nbytes - nbytes % 8
-    total = int(mix_sum(chunk[:whole].view("<u8"), 0)) if whole else 0
+    total = lzc64.mix_sum(chunk[:whole], 0)
     if whole < nbytes:
-        total += int(mix_sum(_padded_tail(chunk[whole:]), whole // 8))
+        total += lzc64.mix_sum(_padded_tail(chunk[whole:]), whole // 8)
     return (total + nbytes * K1) & _MASK64
 
 
@@ -87,20 +60,19 @@ def copy_checksum(dest: np.ndarray, source: np.ndarray) -> int:
     if nbytes > CHUNK_BYTES or dest.size != nbytes:
         raise ValueError(f"copy_checksum needs two arrays of one size of at most CHUNK_BYTES={CHUNK_BYTES}; got "
                          f"dest of {dest.size} and source of {nbytes} bytes; split the copy into chunks first")
-    mix_sum, copy_mix_sum = _kernels()
     whole = nbytes - nbytes % 8
-    total = int(copy_mix_sum(dest[:whole].view("<u8"), source[:whole].view("<u8"), 0)) if whole else 0
+    total = lzc64.copy_mix_sum(dest[:whole], source[:whole], 0)
     if whole < nbytes:
         dest[whole:] = source[whole:]
-        total += int(mix_sum(_padded_tail(source[whole:]), whole // 8))
+        total += lzc64.mix_sum(_padded_tail(source[whole:]), whole // 8)
     return (total + nbytes * K1) & _MASK64
 
 
 def _padded_tail(tail: np.ndarray) -> np.ndarray:
-    """The last, partial word of a chunk as one uint64: the format pads it with zero bytes."""
+    """The last, partial word of a chunk: the format pads it with zero bytes."""
     word = np.zeros(8, np.uint8)
     word[: tail.size] = tail
-    return word.view("<u8")
+    return word
 
 
 def checksum_run(data: np.ndarray) -> list[int]:

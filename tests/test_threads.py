@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import threading
 
-import numpy as np
 import pytest
 import torch
 
 from lazyckpt import LazyCheckpointer
-from lazyckpt.checksum import checksum_bytes
 from lazyckpt.threads import start_background_thread
 
 TRAINING_THREADS = 4
@@ -23,9 +21,6 @@ def training_threads():
     torch.set_num_threads(TRAINING_THREADS)
     warm = torch.empty(1 << 22)
     warm.copy_(torch.ones(1 << 22))  # the training thread's own OpenMP team exists before anything is counted
-    # The checksum kernel's first call starts numba once per process, which may load a BLAS library with its own
-    # (sleeping) server threads: a one-time library start, not something each checkpoint leaves behind.
-    checksum_bytes(np.zeros(16, np.uint8))
     yield TRAINING_THREADS
     torch.set_num_threads(before)
 
