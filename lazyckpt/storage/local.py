@@ -15,8 +15,8 @@ _TMP_SUFFIX = ".tmp"
 
 
 class LocalStorage:
-    """Local files: direct I/O through two aligned bounce buffers (one written while the other fills), ``fsync``,
-    cache drop, ``flock`` locks.
+    """Local files: direct I/O (aligned buffers in place, the rest through two aligned bounce buffers, one written
+    while the other fills), ``fsync``, cache drop, ``flock`` locks.
 
     Args:
         direct_io: write tensor files with ``O_DIRECT`` where the file system allows it. Measured here, a 296 MiB
