@@ -68,6 +68,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+@torch.no_grad()  # DTensor.to_local() then returns the local shard itself instead of going through autograd
 def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig, storage: Storage,
                 optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[torch.Tensor | torch.nn.Module],
                 backend_for: Callable[[list[torch.Tensor]], CopyBackend],
