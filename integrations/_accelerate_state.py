@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lazyckpt.policy import CheckpointSession, RunLayout, capture_rng, check_fits, find_generators, restore_rng
+from lazyckpt.engine import PendingCheckpoint
+from lazyckpt.policy import CheckpointSession, ResumedRng, RunLayout, capture_rng, check_fits, find_generators
 
 from . import _accelerate_sharded as sharded
 from . import _compat
@@ -46,13 +47,15 @@ class PreparedRun:
     """The hook itself: registered for ``save_state`` too, but its step is stored once, not as an object."""
     sharded: bool = False
     """FSDP version 2: the model and optimizer states are DTensors, saved and restored by name and resharded."""
+    handles: list[Any] = field(default_factory=list)
+    """The torch and Accelerate hooks of :meth:`hook_into`, until :meth:`unhook`."""
 
     def hook_into(self, *, before_step: Callable[..., None], after_step: Callable[..., None],
-                  forward: Callable[..., None], drain: Callable[[], None]) -> list[Any]:
+                  forward: Callable[..., None], drain: Callable[[], None]) -> None:
         """Register the hook's torch hooks (inner optimizers' step pre/post hooks with the optimizer's index,
         models' forward pre-hook) and ``drain`` before Accelerate's ``save_state``/``load_state`` (``load_state``
-        overwrites the live tensors a lazy copy may still read); returns the handles."""
-        handles = []
+        overwrites the live tensors a lazy copy may still read)."""
+        handles = self.handles
         for index, optimizer in enumerate(self.optimizers):
             handles.append(optimizer.register_step_pre_hook(before_step))
             handles.append(optimizer.register_step_post_hook(functools.partial(after_step, index)))
@@ -61,7 +64,12 @@ class PreparedRun:
         handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: drain()))
         handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: drain()))
         self.accelerator.register_for_checkpointing(self.hook)
-        return handles
+
+    def unhook(self) -> None:
+        """Remove the hooks of :meth:`hook_into`."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
     @classmethod
     def of(cls, accelerator: Any, hook: Any) -> PreparedRun:
@@ -93,6 +101,12 @@ class PreparedRun:
         return find_generators(self.dataloaders, "dataloader")
 
     # --- capture ----------------------------------------------------------------------------------------------
+
+    def request(self, session: CheckpointSession, boundary: Boundary) -> PendingCheckpoint:
+        """Request the checkpoint of the iteration ``boundary`` ended, lazily: the replicated state is read now
+        (its tensors copied while training goes on), this process's own values were read at the boundary."""
+        return session.save(boundary.step, replicated=self.replicated, per_rank=boundary.per_process,
+                            optimizers=self.optimizers, immutable=self.models, started=boundary.started)
 
     def boundary(self, step: int) -> Boundary:
         """This process's RNG states and loader positions as of the end of the current iteration."""
@@ -187,8 +201,7 @@ class PreparedRun:
                 dl.iteration = saved["iteration"]
             if saved["state"] is not None:
                 dl.load_state_dict(saved["state"])
-        if own["rng"] is not None:  # None: a process the checkpoint was not saved by keeps its RNG states
-            restore_rng(own["rng"], self.generators())
+        ResumedRng(own).restore(self.generators)  # none saved (a process new to the run): keeps its RNG states
         self.accelerator.step = own["accelerator_step"]
 
     def restore_replicated(self, shared: dict[str, Any]) -> None:

@@ -10,20 +10,20 @@ import os
 import warnings
 import weakref
 from typing import Any, ClassVar, Literal
-from weakref import proxy
 
 from typing_extensions import override
 
 import lazyckpt
+from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.job import CheckpointStats
-from lazyckpt.policy import (CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
+from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
                              SessionOptions, url_dirpath_levels)
 from lazyckpt.preflight import check_hyperparameters
 
 from . import _compat
 from ._lightning_files import LazyFileOperationsMixin
-from ._lightning_io import EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads
-from ._lightning_io import rank_zero_info as _rank_zero_info
+from ._lightning_io import (EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads,
+                            trainer_reporter)
 from ._lightning_rollback import LightningRollback
 
 
@@ -78,7 +78,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         """Timings and sizes of this rank's committed checkpoints (``lazyckpt.CheckpointStats``)."""
         self._feedback = RunFeedback(self.stats)
         self._trainer_ref: Any = _no_trainer
-        self._names: CheckpointNames | None = None
+        self._names: CheckpointNames = NO_NAMES  # outside a fit nothing is planned, requested or published
         self._resumed_rng = ResumedRng()
         self._barrier = self._barrier_class(self)
         self.wait_at_epoch_start = False
@@ -95,7 +95,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the callbacks before setup(); the session and hooks are per-process, made in setup().
         state = self.__dict__.copy()
-        state.update(session=None, _trainer_ref=_no_trainer, _names=None, _rollback=None)
+        state.update(session=None, _trainer_ref=_no_trainer, _names=NO_NAMES, _rollback=None)
         return state
 
     # --- setup and teardown ------------------------------------------------------------------------------------
@@ -114,8 +114,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
                                                     world_size=trainer.world_size, engine_retention=False)
             self._names = CheckpointNames(self.session, lambda: getattr(self.trainer, "ckpt_path", None),
-                                          feedback=self._feedback, info=self._info, each=self._after_save,
-                                          metrics=self._log_metrics if self.log_stats else None)
+                                          feedback=self._feedback, reporter=trainer_reporter(self))
             if self.rollback_on_nonfinite:
                 self._rollback = LightningRollback(self.session, trainer)
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
@@ -131,7 +130,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         try:
             super().on_exception(trainer, pl_module, exception)  # save_on_exception
-            self._submit(trainer)
+            self._names.submit(self._request)
         finally:
             self._close(raise_errors=False)
 
@@ -144,43 +143,36 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     def _close(self, *, raise_errors: bool) -> None:
         self._barrier.release()
-        if self.session is not None:
-            self.session = self._rollback = None
-            self._names.close(raise_errors=raise_errors)
+        names, self._names, self.session, self._rollback = self._names, NO_NAMES, None, None
+        names.close(raise_errors=raise_errors)
 
     # --- hooks where ModelCheckpoint decides: poll, let it decide, request ------------------------------------
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._poll()
-        if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
-            return  # rolled back: the bad step is not checkpointed
-        with warnings.catch_warnings():
+        with self._names.deciding(self._request), warnings.catch_warnings():
+            if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
+                return  # rolled back: ModelCheckpoint does not see the bad step, so nothing is planned or requested
             # ModelCheckpoint warns that under manual optimization it saves the state *after* the step; that
             # state is exactly the consistent one a lazy snapshot wants.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._submit(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._poll()
-        super().on_train_epoch_end(trainer, pl_module)
-        self._submit(trainer)
+        with self._names.deciding(self._request):
+            super().on_train_epoch_end(trainer, pl_module)
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._poll()
-        super().on_validation_end(trainer, pl_module)
-        self._submit(trainer)
+        with self._names.deciding(self._request):
+            super().on_validation_end(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_end(trainer, pl_module)
-        self._submit(trainer)
-        self._poll(block=True)
-        if trainer.is_global_zero:
-            self._feedback.finish(self._info, self._log_metrics if self.log_stats else None, step=trainer.global_step)
+        self._names.submit(self._request)
+        self._names.finish(step=trainer.global_step)  # the run's summary (rank 0)
 
     def wait_staged(self) -> None:
         """The barrier: return once the in-flight snapshot no longer reads the live tensors."""
@@ -189,7 +181,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     def wait(self) -> None:
         """Block until every requested checkpoint is committed (and its names are in place)."""
-        self._poll(block=True)
+        self._names.poll(block=True)
 
     # --- RNG states ---------------------------------------------------------------------------------------------
 
@@ -203,28 +195,11 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._resumed_rng.loaded(checkpoint.get(EXTRA_KEY))
 
-    # --- requests and their completion ------------------------------------------------------------------------
+    # --- the request ------------------------------------------------------------------------------------------
 
-    def _submit(self, trainer: Any) -> None:
-        """Request the snapshot planned by this hook's saves (the names report commits to the feedback)."""
-        if self._names is not None:
-            self._names.submit(lambda step: request_snapshot(self.session, trainer, step,
-                                                             weights_only=self.save_weights_only))
-
-    def _poll(self, *, block: bool = False) -> None:
-        if self._names is not None:
-            self._names.poll(block=block)
-
-    def _info(self, message: str) -> None:
-        _rank_zero_info(self._namespace, message)
-
-    def _log_metrics(self, values: dict[str, float], step: int) -> None:
-        for lg in self.trainer.loggers:
-            lg.log_metrics(values, step=step)
-
-    def _after_save(self, step: int) -> None:
-        for lg in self.trainer.loggers:
-            lg.after_save_checkpoint(proxy(self))
+    def _request(self, step: int) -> PendingCheckpoint | None:
+        """The lazy snapshot of ``step`` that ModelCheckpoint's saves in this hook planned (the names report it)."""
+        return request_snapshot(self.session, self.trainer, step, weights_only=self.save_weights_only)
 
 
 def _no_trainer() -> None:

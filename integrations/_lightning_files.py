@@ -18,7 +18,7 @@ from . import _compat
 class LazyFileOperationsMixin:
     """The ``ModelCheckpoint`` methods that touch files, translated into calls on the run's names."""
 
-    _names: CheckpointNames | None
+    _names: CheckpointNames  # policy.NO_NAMES outside a fit
     _feedback: RunFeedback
     options: SessionOptions
     _verbose_at_commit: bool = False

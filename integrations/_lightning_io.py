@@ -1,7 +1,8 @@
 """The Lightning checkpoint dict and lazyckpt: loading weights into a module, the per-rank RNG states, the lazy
-request of a step, and the CheckpointIO that resume goes through. Reading a lazyckpt checkpoint as a Lightning
-checkpoint dict and exporting it to a plain ``.ckpt`` file are :mod:`lazyckpt.lightning_format` and
-:mod:`lazyckpt.export` (the CLI uses them too); this module's names for them are the public ones.
+request of a step, the CheckpointIO that resume goes through, and where the callback reports (console, loggers).
+Reading a lazyckpt checkpoint as a Lightning checkpoint dict and exporting it to a plain ``.ckpt`` file are
+:mod:`lazyckpt.lightning_format` and :mod:`lazyckpt.export` (the CLI uses them too); this module's names for them
+are the public ones.
 
 Nothing here imports ``lightning`` or ``pytorch_lightning``; the two bindings add their base classes.
 
@@ -14,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import logging
@@ -27,8 +29,8 @@ import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.export import export_lightning as export_checkpoint
 from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
-from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, capture_rng, check_committed, check_fits,
-                             find_generators, restore_sharded)
+from lazyckpt.policy import (CheckpointSession, Reporter, ResumedRng, RunLayout, capture_rng, check_committed,
+                             check_fits, find_generators, restore_sharded)
 
 from . import _compat
 
@@ -177,3 +179,19 @@ class LazyCheckpointIOMixin:
 def rank_zero_info(namespace: str, message: str) -> None:
     """Print like ModelCheckpoint(verbose=True) does (Lightning's console logger)."""
     importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info(message)
+
+
+def trainer_reporter(callback: Any) -> Reporter:
+    """Where a ``LazyCheckpoint`` reports: Lightning's console; its trainer's loggers get the metrics (with
+    ``log_stats``) and hear of each saved checkpoint (``after_save_checkpoint``)."""
+
+    def log_metrics(values: dict[str, float], step: int) -> None:
+        for lg in callback.trainer.loggers:
+            lg.log_metrics(values, step=step)
+
+    def after_save(step: int) -> None:
+        for lg in callback.trainer.loggers:
+            lg.after_save_checkpoint(weakref.proxy(callback))
+
+    return Reporter(info=functools.partial(rank_zero_info, callback._namespace), each=after_save,
+                    metrics=log_metrics if callback.log_stats else None)

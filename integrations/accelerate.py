@@ -23,7 +23,7 @@ import torch
 
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.policy import CheckpointSession, SessionOptions, UpdateLoop, project_defaults
+from lazyckpt.policy import CheckpointSession, Reporter, SessionOptions, UpdateLoop, project_defaults
 from lazyckpt.preflight import check_storable
 
 from . import _compat
@@ -61,9 +61,6 @@ class LazyCheckpointHook:
         self.dirpath = normalize_dirpath(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self._run: PreparedRun | None = None
-        self._rollback: AccelerateRollback | None = None
-        self._handles: list[Any] = []
-        self._closed = False
         self._loop: UpdateLoop[Boundary] = UpdateLoop(every_n_steps)
 
     # --- the public surface ---------------------------------------------------------------------------------
@@ -107,14 +104,12 @@ class LazyCheckpointHook:
                        "(numbers, strings, lists, dicts, tensors) from the state_dict() of what holds it")
         session = CheckpointSession(self.dirpath, self.options, rank=accelerator.process_index,
                                     world_size=accelerator.num_processes)
-        self._loop.start(session, save=lambda boundary: session.save(
-            boundary.step, replicated=run.replicated, per_rank=boundary.per_process, optimizers=run.optimizers,
-            immutable=run.models, started=boundary.started))
+        self._loop.start(session, save=lambda boundary: run.request(session, boundary),
+                         reporter=Reporter(logger.info, metrics=accelerator.log),
+                         rollback=AccelerateRollback(session, run))
         self._run = run
-        self._handles = run.hook_into(before_step=self._before_optimizer_step, after_step=self._after_optimizer_step,
-                                      forward=self._on_forward, drain=self._drain_copies)
-        self._rollback = AccelerateRollback(session, self._run)
-        self._rollback.remember_start(self.step)
+        run.hook_into(before_step=self._before_optimizer_step, after_step=self._after_optimizer_step,
+                      forward=self._on_forward, drain=self._loop.drain)
         return self
 
     def resume(self, path: str | os.PathLike[str] | None = None) -> int:
@@ -128,16 +123,15 @@ class LazyCheckpointHook:
             CheckpointCorruptError: a checksum does not match (the message names the file and tensor).
             CheckpointNotFoundError: ``path`` is not a committed checkpoint.
         """
-        self._require_registered("resume")
-        self._drain_copies()
+        run = self._require_registered("resume")
+        self._loop.drain()  # a lazy copy may still read the live tensors the restore overwrites
         session = self._loop.session
-        resolved = os.fspath(path) if path is not None else self._run.newest(session)
+        resolved = os.fspath(path) if path is not None else run.newest(session)
         if resolved is None:
             logger.info("lazyckpt: no committed checkpoint in %s; starting from step 0", self.dirpath)
             return 0
-        step = self._run.restore_from(resolved, verify=session.engine.config.verify_on_load, load=session.load)["step"]
+        step = run.restore_from(resolved, verify=session.engine.config.verify_on_load, load=session.load)["step"]
         self._loop.resumed(step, resolved)
-        self._rollback.remember_start(step)
         return step
 
     def save(self) -> PendingCheckpoint | None:
@@ -158,7 +152,7 @@ class LazyCheckpointHook:
             RollbackLimitError: more than ``max_rollbacks`` rollbacks in a row without a newer good checkpoint.
         """
         self._require_registered("rollback")
-        return self._loop.rolled_back(self._rollback.roll_back(self._loop.bad_step()))
+        return self._loop.roll_back()
 
     def close(self) -> None:
         """Issue a pending request, drain every checkpoint, remove the hooks and log the run's summary (one line,
@@ -166,19 +160,7 @@ class LazyCheckpointHook:
 
         Call it before ``accelerator.end_training()``: multi-process commits need every process alive.
         """
-        if self._closed or self._loop.session is None:
-            self._closed = True
-            return
-        self._closed = True
-        try:
-            self._loop.issue()
-        finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-            self._loop.session.close()
-        accelerator = self._run.accelerator
-        self._loop.finish(logger.info if accelerator.is_main_process else None, metrics=accelerator.log)
+        self._loop.close(release=lambda: self._run.unhook())
 
     def __enter__(self) -> LazyCheckpointHook:
         return self
@@ -197,8 +179,7 @@ class LazyCheckpointHook:
     # --- framework events -----------------------------------------------------------------------------------
 
     def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._loop.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary):
-            self._rollback.on_step()
+        self._loop.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary)
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._loop.forward()
@@ -208,21 +189,16 @@ class LazyCheckpointHook:
 
     # --- helpers --------------------------------------------------------------------------------------------
 
-    def _drain_copies(self) -> None:
-        """Issue a request waiting for its iteration's end, then pass the barrier of the one in flight."""
-        self._require_registered("drain")
-        self._loop.drain()
-
     def _require_registered(self, what: str) -> PreparedRun:
         if self._run is None:
             raise RuntimeError(f"call hook.register(accelerator) before hook.{what}()")
-        if self._closed:
+        if self._loop.closed:
             raise RuntimeError(f"this LazyCheckpointHook is closed; cannot {what}()")
         return self._run
 
     def __repr__(self) -> str:
         return (f"LazyCheckpointHook({self.dirpath!r}, every_n_steps={self.every_n_steps}, step={self.step}, "
-                f"registered={self._run is not None}, closed={self._closed})")
+                f"registered={self._run is not None}, closed={self._loop.closed})")
 
 
 __all__ = ["CheckpointMismatchError", "LazyCheckpointHook"]

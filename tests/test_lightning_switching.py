@@ -130,7 +130,7 @@ def test_the_step_a_run_resumed_from_is_kept_only_while_retention_keeps_it(tmp_p
 
 
 def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requested(tmp_path, monkeypatch):
-    from lazyckpt.integrations import _lightning_core
+    from lazyckpt.integrations import _lightning_io
 
     seen = []
 
@@ -138,7 +138,7 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
         name = message.split("'")[1] if "'" in message else None
         seen.append((message, name is not None and os.path.isfile(os.path.join(name, "manifest.json"))))
 
-    monkeypatch.setattr(_lightning_core, "_rank_zero_info", record)
+    monkeypatch.setattr(_lightning_io, "rank_zero_info", record)
     requested = []
     handler = logging.Handler()
     handler.emit = lambda record: requested.append(record.getMessage())
@@ -158,7 +158,7 @@ def test_verbose_says_saved_when_the_checkpoint_is_committed_not_when_it_is_requ
 
 
 def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, monkeypatch):
-    from lazyckpt.integrations import _lightning_core
+    from lazyckpt.integrations import _lightning_io
     from lightning.pytorch.loggers import Logger
 
     class Recorder(Logger):
@@ -172,7 +172,7 @@ def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, monk
             pass
 
     lines = []
-    monkeypatch.setattr(_lightning_core, "_rank_zero_info", lambda namespace, message: lines.append(message))
+    monkeypatch.setattr(_lightning_io, "rank_zero_info", lambda namespace, message: lines.append(message))
     recorder = Recorder()
     _, _, callback = run(str(tmp_path / "ckpt"), max_steps=8, callback_kwargs=dict(every_n_train_steps=2),
                          trainer_kwargs=dict(logger=recorder))

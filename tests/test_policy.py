@@ -187,6 +187,36 @@ def test_a_dropped_name_releases_its_step_after_the_next_commit(tmp_path):
         "best-2.ckpt", "step-0000002"]
 
 
+def test_names_request_once_when_a_hook_returns_nothing_when_it_raises_and_report_the_summary_at_the_end(tmp_path):
+    from lazyckpt.policy import NO_NAMES, Reporter, RunFeedback
+
+    session = CheckpointSession(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
+                                engine_retention=False)
+    lines, saved = [], []
+    names = CheckpointNames(session, feedback=RunFeedback(), reporter=Reporter(lines.append))
+
+    def save(step):
+        saved.append(step)
+        return session.save(step, replicated={}, per_rank={"step": step})
+
+    with names.deciding(save):  # like ModelCheckpoint saving top-k, then last, in one hook
+        names.plan(1, str(tmp_path / "best.ckpt"))
+        names.plan(1, str(tmp_path / "last.ckpt"))
+        assert saved == []
+    assert saved == [1]
+    with pytest.raises(KeyError), names.deciding(save):
+        names.plan(2, str(tmp_path / "last.ckpt"))
+        raise KeyError("the hook failed")
+    session.barrier()
+    assert saved == [1] and names.finish(step=2)["lazyckpt/checkpoints"] == 1
+    assert len(lines) == 1 and lines[0].startswith("lazyckpt: 1 checkpoints committed")
+    names.close(raise_errors=True)
+    with NO_NAMES.deciding(save):  # outside a fit: nothing is planned, requested or published
+        pass
+    assert saved == [1] and NO_NAMES.poll(block=True) == [] and NO_NAMES.finish(step=2) == {}
+    assert str(tmp_path / "last.ckpt") not in NO_NAMES
+
+
 def test_sessions_on_one_directory_share_one_engine_and_one_snapshot_per_step(tmp_path):
     first = CheckpointSession.shared(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
                                      engine_retention=False)
@@ -266,7 +296,7 @@ def test_a_growing_stall_that_stays_short_in_absolute_terms_is_not_reported(stal
 
 
 def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a_bounded_log():
-    from lazyckpt.policy import RunFeedback
+    from lazyckpt.policy import Reporter, RunFeedback
     from lazyckpt.stats import CheckpointStats, StatsLog
 
     feedback = RunFeedback()
@@ -286,7 +316,7 @@ def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a
             follower.follow(log)
     assert [s.step for s in follower.stats] == [1, 4, 5]
     lines = []
-    assert follower.finish(lines.append)["lazyckpt/checkpoints"] == 3 and lines[0].startswith("lazyckpt: 3 ")
+    assert follower.finish(Reporter(lines.append))["lazyckpt/checkpoints"] == 3 and lines[0].startswith("lazyckpt: 3 ")
 
 
 def test_step_requests_issue_a_capture_once_drop_a_bad_one_and_restart_after_a_restore():
@@ -339,52 +369,66 @@ def test_update_loop_requests_a_due_step_at_the_next_forward_and_a_rollback_undo
     from lazyckpt.stats import StatsLog
 
     calls = []
-    session = SimpleNamespace(engine=SimpleNamespace(stats=StatsLog()), barrier=lambda: calls.append("barrier"))
+    session = SimpleNamespace(engine=SimpleNamespace(stats=StatsLog()), barrier=lambda: calls.append("barrier"),
+                              rank=0, close=lambda: calls.append("close"), resumed=lambda step, path: None)
+    rollback = SimpleNamespace(remember_start=lambda step: calls.append(("start", step)),
+                               on_step=lambda: calls.append("step"),
+                               roll_back=lambda bad: calls.append(("roll back", bad)) or 0)
     loop = UpdateLoop(every_n_steps=2)
-    loop.start(session, save=lambda captured: calls.append(("save", captured.step)) or f"handle {captured.step}")
+    loop.start(session, save=lambda captured: calls.append(("save", captured.step)) or f"handle {captured.step}",
+               rollback=rollback)
+    assert calls == [("start", 0)]  # the start state is the target of a rollback before the first snapshot
+    calls.clear()
     capture = SimpleNamespace
 
-    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step)) and calls == []
+    assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step)) and calls == ["step"]
     loop.forward()
-    assert calls == [] and loop.bad_step() == 2  # before the next update: that update is the bad one
+    assert calls == ["step"] and loop.bad_step() == 2  # before the next update: that update is the bad one
     assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 2 is due: captured
-    assert loop.bad_step() == 2 and loop.rolled_back(0) == 0  # after it: its request is dropped, never issued
+    assert loop.roll_back() == 0  # after it: its request is dropped, never issued
     loop.forward()
-    assert calls == []
+    assert calls == ["step", "step", ("roll back", 2)]
+    calls.clear()
 
     assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 3
     assert loop.updated(0, optimizers=1, capture=lambda step: capture(step=step))  # step 4, due
     with pytest.warns(RuntimeWarning, match="no forward"):
         loop.before_update(late="no forward ran")  # no forward between two updates: requested late, then barrier
-    assert calls == [("save", 4), "barrier"]
+    assert calls == ["step", "step", ("save", 4), "barrier"]
     assert loop.request(lambda step: capture(step=step)) == "handle 4"  # requested already: the same handle
     loop.restart(7)
-    assert loop.step == 7 and loop.finish(None) == {}
+    loop.resumed(5, "step-0000005")
+    assert loop.step == 5 and calls[-1] == ("start", 5)  # a resumed state is the new start
+    calls.clear()
+    assert loop.close(release=lambda: calls.append("release")) == {} and calls == ["release", "close"]
+    assert loop.closed and loop.close(release=lambda: calls.append("release")) == {} and len(calls) == 2
 
 
 def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_somewhere_to_report():
     from types import SimpleNamespace
 
-    from lazyckpt.policy import RunFeedback
+    from lazyckpt.policy import Reporter, RunFeedback
     from lazyckpt.stats import CheckpointStats
 
     lines, metrics, saved = [], [], []
+    reporter = Reporter(lines.append, metrics=lambda values, step: metrics.append((step, values)), each=saved.append)
+    assert reporter.on_rank(0) is reporter and reporter.on_rank(1) == Reporter()
     feedback = RunFeedback()
     feedback.announce(3, "saved 'last.ckpt'")
     commits = [SimpleNamespace(step=3, stats=CheckpointStats(step=3, save_s=0.004, nbytes=2 * 10**6)),
                SimpleNamespace(step=4, stats=None)]  # a rank without the stats of that commit
-    feedback.report(commits, info=lines.append, metrics=lambda values, step: metrics.append((step, values)),
-                    each=saved.append)
+    feedback.report(commits, reporter)
     assert lines == ["saved 'last.ckpt'"] and saved == [3, 4]
     assert [(step, values["lazyckpt/stall_ms"], values["lazyckpt/size_mb"]) for step, values in metrics] == [
         (3, pytest.approx(4.0), pytest.approx(2.0))]
 
     silent = RunFeedback()  # another rank: records, reports nothing
-    silent.report(commits)
-    assert len(silent.stats) == 1
-    summary = feedback.finish(lines.append, lambda values, step: metrics.append((step, values)), step=9)
+    silent.report(commits, reporter.on_rank(1))
+    assert len(silent.stats) == 1 and silent.finish(reporter.on_rank(1), step=9) == {} and len(lines) == 1
+    summary = feedback.finish(reporter, step=9)
     assert metrics[-1] == (9, summary) and lines[-1].startswith("lazyckpt: 1 checkpoints committed")
-    assert RunFeedback().finish(lines.append, lambda values, step: metrics.append(step)) == {} and len(metrics) == 2
+    assert RunFeedback().finish(reporter) == {} and len(metrics) == 2  # nothing committed: a line, no metrics
+    assert lines[-1] == "lazyckpt: no checkpoint was committed"
 
 
 @pytest.mark.parametrize("rank, world_size, saved, expected", [

@@ -9,13 +9,13 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings |
 | ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
 | ``steps`` | :class:`StepCounter`: steps from optimizer updates, when a checkpoint is due; :class:`StepRequests` |
-| ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks |
-| ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention |
+| ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks, the rollback's start, close |
+| ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention; :data:`NO_NAMES` outside a fit |
 | ``aliases`` | the names on disk (links through the storage seam) |
 | ``randomness`` | RNG states and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore |
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
-| ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed |
+| ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed; :class:`Reporter`: where they go |
 | ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded; :func:`per_rank_source` when the number of ranks changed |
 | ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files; :func:`check_committed` |
 | ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
@@ -23,10 +23,10 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 from __future__ import annotations
 
-from lazyckpt.policy.feedback import RunFeedback, checkpoint_metrics, falling_behind, run_summary, summary_line
+from lazyckpt.policy.feedback import Reporter, RunFeedback, checkpoint_metrics, falling_behind, run_summary, summary_line
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
-from lazyckpt.policy.names import CheckpointNames, Committed
+from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_target
@@ -37,9 +37,9 @@ from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
-__all__ = ["CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo", "Restored",
-           "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions", "StepCounter", "StepRequests", "StepVote",
-           "UpdateLoop", "capture_rng", "check_committed", "check_fits", "check_max_rollbacks", "checkpoint_metrics",
-           "differences", "falling_behind", "find_generators", "is_nonfinite", "newest_checkpoint", "per_rank_source",
-           "project_defaults", "restore_rng", "restore_sharded", "resume_target", "run_summary", "summary_line",
-           "url_dirpath_levels"]
+__all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo",
+           "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
+           "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_committed", "check_fits",
+           "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
+           "is_nonfinite", "newest_checkpoint", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
+           "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]

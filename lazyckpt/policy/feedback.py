@@ -1,11 +1,12 @@
 """What a run learns about its checkpoints: a summary at the end (count, stalls, time to durable, bytes), a
 warning when the background write cannot keep up with the checkpoint interval, and "saved" messages that wait for
-their checkpoint's commit. :class:`RunFeedback` is what an integration holds; the functions are its pieces.
+their checkpoint's commit. :class:`RunFeedback` is what an integration holds, :class:`Reporter` where it reports
+(the framework's console and loggers, on the rank that reports); the functions are their pieces.
 
 Example:
     >>> feedback = RunFeedback()                                  # doctest: +SKIP
     >>> feedback.committed(stats)     # after each commit: warns once when the write falls behind  # doctest: +SKIP
-    >>> metrics = feedback.finish(print)    # one line; metrics for the loggers   # doctest: +SKIP
+    >>> metrics = feedback.finish(Reporter(print))    # one line; metrics for the loggers   # doctest: +SKIP
     lazyckpt: 12 checkpoints committed, stall median 4.1 ms / max 9.8 ms, durable after 1.20 s (median), 1.3 GB written
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from lazyckpt.stats import CheckpointStats, StatsLog
@@ -29,6 +31,23 @@ is noise, not a write that cannot keep up, and costs the run nothing worth chang
 
 Metrics = Callable[[dict[str, float], int], None]
 """Where an integration's metrics go: ``metrics(values, step)`` (the trainer's loggers, ``accelerator.log``)."""
+
+
+@dataclass(frozen=True)
+class Reporter:
+    """Where an integration reports its run: the framework's console and loggers. One rank reports for the run
+    (:meth:`on_rank`); ``Reporter()`` reports nothing."""
+
+    info: Callable[[str], None] | None = None
+    """One line each: the "saved" messages once their checkpoint is committed, the run's summary."""
+    metrics: Metrics | None = None
+    """Each reported checkpoint's costs and the run's summary (:func:`checkpoint_metrics`, :func:`run_summary`)."""
+    each: Callable[[int], None] | None = None
+    """Runs with the step of each reported commit, last (e.g. tell the loggers a checkpoint was saved)."""
+
+    def on_rank(self, rank: int) -> Reporter:
+        """This reporter on rank 0, which reports for every rank; on the others one that reports nothing."""
+        return self if rank == 0 else Reporter()
 
 
 class _Commit(Protocol):
@@ -104,20 +123,19 @@ class RunFeedback:
                 warnings.warn(warning, RuntimeWarning, stacklevel=3)
         return self._announced.pop(step, [])
 
-    def report(self, committed: Iterable[_Commit], *, info: Callable[[str], None] | None = None,
-               metrics: Metrics | None = None, each: Callable[[int], None] | None = None) -> None:
-        """Record each of ``committed`` (:meth:`committed`). On the rank that reports (``info`` given) the messages
-        that waited for a commit go to ``info``, its stats to ``metrics`` (when given), then ``each(step)`` runs."""
+    def report(self, committed: Iterable[_Commit], reporter: Reporter = Reporter()) -> None:
+        """Record each of ``committed`` (:meth:`committed`); the messages that waited for a commit go to the
+        ``reporter``'s ``info``, its stats to its ``metrics``, then its ``each(step)`` runs."""
         for done in committed:
             announced = self.committed(done.step, done.stats)
-            if info is None:
+            if reporter.info is None:
                 continue
             for message in announced:
-                info(message)
-            if metrics is not None and done.stats is not None:
-                metrics(checkpoint_metrics(done.stats), done.step)
-            if each is not None:
-                each(done.step)
+                reporter.info(message)
+            if reporter.metrics is not None and done.stats is not None:
+                reporter.metrics(checkpoint_metrics(done.stats), done.step)
+            if reporter.each is not None:
+                reporter.each(done.step)
 
     def follow(self, log: StatsLog) -> None:
         """Record the entries an engine's stats ``log`` (a window of the newest) gained since the last call."""
@@ -131,12 +149,14 @@ class RunFeedback:
         """Keep ``message`` until :meth:`committed` of ``step`` (a "saved" line is true once the checkpoint is)."""
         self._announced.setdefault(step, []).append(message)
 
-    def finish(self, info: Callable[[str], None], metrics: Metrics | None = None, *,
-               step: int = 0) -> dict[str, float]:
-        """The run's summary: given to ``info`` as one line, and to ``metrics`` at ``step`` (unless no checkpoint
-        was committed: nothing to log); returns its metrics."""
+    def finish(self, reporter: Reporter, *, step: int = 0) -> dict[str, float]:
+        """The run's summary: given to the ``reporter``'s ``info`` as one line, and to its ``metrics`` at ``step``
+        (unless no checkpoint was committed: nothing to log); returns its metrics ({} when ``reporter`` reports
+        nothing: another rank)."""
+        if reporter.info is None:
+            return {}
         summary = run_summary(self.stats)
-        info(summary_line(summary))
-        if summary and metrics is not None:
-            metrics(summary, step)
+        reporter.info(summary_line(summary))
+        if summary and reporter.metrics is not None:
+            reporter.metrics(summary, step)
         return summary

@@ -9,22 +9,24 @@ it: the names become the steps to protect of :meth:`CheckpointSession.purge`.
 
 One step's names are planned while the framework decides (:meth:`CheckpointNames.plan`, ``copy``, ``drop``),
 the snapshot is requested once (:meth:`~CheckpointNames.submit`), and :meth:`~CheckpointNames.poll` publishes
-the committed ones, oldest first. Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback`
-(stats, the "saved" messages that waited for it, the loggers) when one is given.
+the committed ones, oldest first (:meth:`~CheckpointNames.deciding` does the three around one framework hook). Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback`
+(stats, the "saved" messages that waited for it, the loggers) when one is given, and :meth:`~CheckpointNames.finish`
+reports the run's summary. Outside a fit an integration holds :data:`NO_NAMES`, which plans and requests nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.format import step_dirname
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
-from lazyckpt.policy.feedback import Metrics, RunFeedback
+from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
 
 logger = logging.getLogger(__name__)
@@ -59,18 +61,16 @@ class CheckpointNames:
         session: the run's session (rank 0 alone changes names and deletes).
         resumed_from: returns the path the run resumed from: never deleted before this run's first commit, then
             kept only while a name or ``keep_last_k`` keeps it.
-        feedback: records every commit found (:meth:`RunFeedback.report`); on rank 0 its waiting messages go to
-            ``info``, its stats to ``metrics`` (when given), then ``each(step)`` runs (e.g. tell the loggers).
+        feedback: records every commit found (:meth:`RunFeedback.report`) and the run's summary (:meth:`finish`);
+            on rank 0 both go to the ``reporter`` (the other ranks report nothing).
     """
 
     def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None, *,
-                 feedback: RunFeedback | None = None, info: Callable[[str], None] | None = None,
-                 metrics: Metrics | None = None, each: Callable[[int], None] | None = None) -> None:
+                 feedback: RunFeedback | None = None, reporter: Reporter = Reporter()) -> None:
         self._session = session
         self._resumed_from = resumed_from
         self._feedback = feedback
-        self._info = info if session.rank == 0 else None  # one rank logs
-        self._metrics, self._each = metrics, each
+        self._reporter = reporter.on_rank(session.rank)
         self._names: dict[str, int] = {}
         self._requests: list[_Request] = []
         self._current: _Request | None = None
@@ -108,6 +108,14 @@ class CheckpointNames:
         self._add(self._current, ("remove", name, None))
 
     # --- requests and their completion ----------------------------------------------------------------------
+
+    @contextmanager
+    def deciding(self, save: Callable[[int], PendingCheckpoint | None]) -> Iterator[None]:
+        """Around one framework hook that may plan names: publish what is committed first (:meth:`poll`), then,
+        when the hook returns, request the step it planned once (:meth:`submit`), with the state it left."""
+        self.poll()
+        yield
+        self.submit(save)
 
     def submit(self, save: Callable[[int], PendingCheckpoint | None]) -> list[Committed]:
         """Request the planned step's snapshot with ``save(step)`` (None or a skipped handle: nothing was saved,
@@ -150,7 +158,13 @@ class CheckpointNames:
 
     def _report(self, committed: list[Committed]) -> None:
         if self._feedback is not None and committed:
-            self._feedback.report(committed, info=self._info, metrics=self._metrics, each=self._each)
+            self._feedback.report(committed, self._reporter)
+
+    def finish(self, *, step: int) -> dict[str, float]:
+        """The end of a run: publish (and report) every request, then report the run's summary at ``step``;
+        returns its metrics ({} on a rank that does not report)."""
+        self.poll(block=True)
+        return {} if self._feedback is None else self._feedback.finish(self._reporter, step=step)
 
     def close(self, *, raise_errors: bool) -> None:
         """Publish (and report) every request, then close the session. The first failure is raised when
@@ -204,3 +218,31 @@ class CheckpointNames:
             if not self._past_resume and resumed is not None:
                 protected.add(resumed)
             self._session.purge(released=unnamed, protected=protected)
+
+
+class _NoNames:
+    """The names of an integration outside a fit (before its setup, after its close): none is planned, so there is
+    nothing to request, publish, report or close; the framework's hooks call it as they would call the real ones."""
+
+    def __contains__(self, name: str) -> bool:
+        return False
+
+    @contextmanager
+    def deciding(self, save: Callable[[int], PendingCheckpoint | None]) -> Iterator[None]:
+        yield
+
+    def submit(self, save: Callable[[int], PendingCheckpoint | None]) -> list[Committed]:
+        return []
+
+    def poll(self, *, block: bool = False, limit: int | None = None) -> list[Committed]:
+        return []
+
+    def finish(self, *, step: int) -> dict[str, float]:
+        return {}
+
+    def close(self, *, raise_errors: bool) -> None:
+        return None
+
+
+NO_NAMES = _NoNames()
+"""What an integration holds in place of its :class:`CheckpointNames` while it is not fitting."""
