@@ -1,4 +1,5 @@
-"""What ``LazyCheckpointHook`` reads from and restores into the objects an ``Accelerator`` prepared.
+"""What ``LazyCheckpointHook`` reads from and restores into the objects an ``Accelerator`` prepared, and the torch
+hooks it places on them (each calls the hook's :class:`~lazyckpt.policy.UpdateLoop`).
 
 Every process writes its own RNG states and loader positions; the models, optimizers, schedulers, scaler and
 registered objects are replicated, so they are written once, split across the processes
@@ -7,7 +8,6 @@ registered objects are replicated, so they are written once, split across the pr
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -16,13 +16,16 @@ from typing import Any
 import torch
 
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.policy import CheckpointSession, ResumedRng, RunLayout, capture_rng, check_fits, find_generators
+from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, UpdateLoop, capture_rng, check_fits,
+                             find_generators)
 
 from . import _accelerate_sharded as sharded
 from . import _compat
 
 FORMAT = "lazyckpt.accelerate/1"
 """Tag stored in every checkpoint the hook writes; ``resume()`` refuses trees without it."""
+NO_FORWARD = ("lazyckpt: no forward of a prepared model ran between two optimizer steps, so the checkpoint was "
+              "requested at the next step and copied without overlap")
 
 
 @dataclass
@@ -50,19 +53,20 @@ class PreparedRun:
     handles: list[Any] = field(default_factory=list)
     """The torch and Accelerate hooks of :meth:`hook_into`, until :meth:`unhook`."""
 
-    def hook_into(self, *, before_step: Callable[..., None], after_step: Callable[..., None],
-                  forward: Callable[..., None], drain: Callable[[], None]) -> None:
-        """Register the hook's torch hooks (inner optimizers' step pre/post hooks with the optimizer's index,
-        models' forward pre-hook) and ``drain`` before Accelerate's ``save_state``/``load_state`` (``load_state``
-        overwrites the live tensors a lazy copy may still read)."""
-        handles = self.handles
+    def hook_into(self, loop: UpdateLoop[Boundary]) -> None:
+        """Translate the torch and Accelerate events into calls on ``loop``: an inner optimizer's step post-hook is
+        an update (with the optimizer's index; a completed step's boundary is captured), its pre-hook the next
+        update's barrier, a model's forward pre-hook the safe point of the request; ``save_state``/``load_state``
+        drain first (``load_state`` overwrites the live tensors a lazy copy may still read)."""
+        handles, optimizers = self.handles, len(self.prepared_optimizers)
         for index, optimizer in enumerate(self.optimizers):
-            handles.append(optimizer.register_step_pre_hook(before_step))
-            handles.append(optimizer.register_step_post_hook(functools.partial(after_step, index)))
+            handles.append(optimizer.register_step_pre_hook(lambda *_: loop.before_update(late=NO_FORWARD)))
+            handles.append(optimizer.register_step_post_hook(
+                lambda *_, index=index: loop.updated(index, optimizers=optimizers, capture=self.boundary)))
         # prepend: before FSDP2's own pre-forward unshards the parameters (a state dict taken then would reshard them)
-        handles += [model.register_forward_pre_hook(forward, prepend=True) for model in self.models]
-        handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: drain()))
-        handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: drain()))
+        handles += [model.register_forward_pre_hook(lambda *_: loop.forward(), prepend=True) for model in self.models]
+        handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: loop.drain()))
+        handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: loop.drain()))
         self.accelerator.register_for_checkpointing(self.hook)
 
     def unhook(self) -> None:

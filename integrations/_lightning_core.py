@@ -6,6 +6,7 @@ events into calls on the policy layer (:mod:`lazyckpt.policy`: the session, the 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import weakref
@@ -14,7 +15,6 @@ from typing import Any, ClassVar, Literal
 from typing_extensions import override
 
 import lazyckpt
-from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
                              SessionOptions, url_dirpath_levels)
@@ -113,7 +113,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         if stage == "fit" and self.session is None:
             self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
                                                     world_size=trainer.world_size, engine_retention=False)
-            self._names = CheckpointNames(self.session, lambda: getattr(self.trainer, "ckpt_path", None),
+            self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
+                                          lambda: getattr(self.trainer, "ckpt_path", None),
                                           feedback=self._feedback, reporter=trainer_reporter(self))
             if self.rollback_on_nonfinite:
                 self._rollback = LightningRollback(self.session, trainer)
@@ -130,7 +131,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         try:
             super().on_exception(trainer, pl_module, exception)  # save_on_exception
-            self._names.submit(self._request)
+            self._names.submit()
         finally:
             self._close(raise_errors=False)
 
@@ -150,7 +151,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        with self._names.deciding(self._request), warnings.catch_warnings():
+        with self._names.deciding(), warnings.catch_warnings():
             if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
                 return  # rolled back: ModelCheckpoint does not see the bad step, so nothing is planned or requested
             # ModelCheckpoint warns that under manual optimization it saves the state *after* the step; that
@@ -160,19 +161,18 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        with self._names.deciding(self._request):
+        with self._names.deciding():
             super().on_train_epoch_end(trainer, pl_module)
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        with self._names.deciding(self._request):
+        with self._names.deciding():
             super().on_validation_end(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_end(trainer, pl_module)
-        self._names.submit(self._request)
-        self._names.finish(step=trainer.global_step)  # the run's summary (rank 0)
+        self._names.finish(step=trainer.global_step)  # request what it planned, drain, the run's summary (rank 0)
 
     def wait_staged(self) -> None:
         """The barrier: return once the in-flight snapshot no longer reads the live tensors."""
@@ -194,12 +194,6 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._resumed_rng.loaded(checkpoint.get(EXTRA_KEY))
-
-    # --- the request ------------------------------------------------------------------------------------------
-
-    def _request(self, step: int) -> PendingCheckpoint | None:
-        """The lazy snapshot of ``step`` that ModelCheckpoint's saves in this hook planned (the names report it)."""
-        return request_snapshot(self.session, self.trainer, step, weights_only=self.save_weights_only)
 
 
 def _no_trainer() -> None:

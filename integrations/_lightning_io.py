@@ -29,8 +29,8 @@ import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.export import export_lightning as export_checkpoint
 from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
-from lazyckpt.policy import (CheckpointSession, Reporter, ResumedRng, RunLayout, capture_rng, check_committed,
-                             check_fits, find_generators, restore_sharded)
+from lazyckpt.policy import (Reporter, ResumedRng, RunLayout, capture_rng, check_committed, check_fits,
+                             find_generators, restore_sharded)
 
 from . import _compat
 
@@ -104,14 +104,15 @@ def route_sharded_loads(strategy: Any) -> None:
     strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
 
 
-def request_snapshot(session: CheckpointSession, trainer: Any, step: int, *,
-                     weights_only: bool) -> PendingCheckpoint | None:
-    """Request the checkpoint ``trainer.save_checkpoint`` would write, lazily (None: the step exists already)."""
-    checkpoint = _compat.dump_checkpoint(trainer, weights_only)
+def request_snapshot(callback: Any, step: int) -> PendingCheckpoint | None:
+    """Request the checkpoint ``trainer.save_checkpoint`` would write for ``callback`` (a ``LazyCheckpoint``: its
+    session, trainer and ``save_weights_only``), lazily (None: the step exists already)."""
+    trainer = callback.trainer
+    checkpoint = _compat.dump_checkpoint(trainer, callback.save_weights_only)
     frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
     # DDP replicates the model and optimizer; every rank has its own RNG states
-    return session.save(step, replicated=checkpoint, per_rank={EXTRA_KEY: checkpoint.get(EXTRA_KEY)},
-                        optimizers=trainer.optimizers, immutable=frozen, if_committed="warn")
+    return callback.session.save(step, replicated=checkpoint, per_rank={EXTRA_KEY: checkpoint.get(EXTRA_KEY)},
+                                 optimizers=trainer.optimizers, immutable=frozen, if_committed="warn")
 
 
 # ------------------------------------------------------------------------------------------ CheckpointIO

@@ -1,6 +1,6 @@
 """Hugging Face Accelerate integration: ``LazyCheckpointHook`` translates the events of a plain Accelerate loop into
-calls on the policy layer (:mod:`lazyckpt.policy`); what it reads from and restores into Accelerate's objects is in
-``_accelerate_state``. A step is one real optimizer update (not a micro-batch, not an update AMP skipped).
+calls on the policy layer (:mod:`lazyckpt.policy`); what it reads from and restores into Accelerate's objects, and
+the torch hooks that call its :class:`~lazyckpt.policy.UpdateLoop`, are in ``_accelerate_state``. A step is one real optimizer update (not a micro-batch, not an update AMP skipped).
 
 Example (docs/accelerate.md has the whole loop, and where to start it on resume):
     >>> hook = LazyCheckpointHook("runs/ckpt", every_n_steps=100, keep_last_k=3)      # doctest: +SKIP
@@ -19,8 +19,6 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.policy import CheckpointSession, Reporter, SessionOptions, UpdateLoop, project_defaults
@@ -34,8 +32,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 logger = logging.getLogger(__name__)
-NO_FORWARD = ("lazyckpt: no forward of a prepared model ran between two optimizer steps, so the checkpoint was "
-              "requested at the next step and copied without overlap")
 
 
 class LazyCheckpointHook:
@@ -108,8 +104,7 @@ class LazyCheckpointHook:
                          reporter=Reporter(logger.info, metrics=accelerator.log),
                          rollback=AccelerateRollback(session, run))
         self._run = run
-        run.hook_into(before_step=self._before_optimizer_step, after_step=self._after_optimizer_step,
-                      forward=self._on_forward, drain=self._loop.drain)
+        run.hook_into(self._loop)
         return self
 
     def resume(self, path: str | os.PathLike[str] | None = None) -> int:
@@ -175,17 +170,6 @@ class LazyCheckpointHook:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the step counter from ``accelerator.load_state()``."""
         self._loop.restart(int(state["step"]))
-
-    # --- framework events -----------------------------------------------------------------------------------
-
-    def _after_optimizer_step(self, index: int, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._loop.updated(index, optimizers=len(self._run.prepared_optimizers), capture=self._run.boundary)
-
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        self._loop.forward()
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._loop.before_update(late=NO_FORWARD)
 
     # --- helpers --------------------------------------------------------------------------------------------
 

@@ -171,13 +171,13 @@ def test_retention_keeps_what_is_protected_kept_by_recency_or_just_committed():
 def test_a_dropped_name_releases_its_step_after_the_next_commit(tmp_path):
     session = CheckpointSession(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
                                 engine_retention=False)
-    names = CheckpointNames(session)
+    names = CheckpointNames(session, lambda s: session.save(s, replicated={}, per_rank={"step": s}))
     name = {step: str(tmp_path / f"best-{step}.ckpt") for step in (1, 2)}
     for step in (1, 2):
         names.plan(step, name[step])  # like ModelCheckpoint's top-1: save the new best, then drop the old one
         if step == 2:
             names.drop(name[1])
-        committed = names.submit(lambda s: session.save(s, replicated={}, per_rank={"step": s}))
+        committed = names.submit()
         session.barrier()
         committed += names.poll(block=True)
         assert [c.step for c in committed] == [step]
@@ -193,27 +193,28 @@ def test_names_request_once_when_a_hook_returns_nothing_when_it_raises_and_repor
     session = CheckpointSession(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
                                 engine_retention=False)
     lines, saved = [], []
-    names = CheckpointNames(session, feedback=RunFeedback(), reporter=Reporter(lines.append))
 
     def save(step):
         saved.append(step)
         return session.save(step, replicated={}, per_rank={"step": step})
 
-    with names.deciding(save):  # like ModelCheckpoint saving top-k, then last, in one hook
+    names = CheckpointNames(session, save, feedback=RunFeedback(), reporter=Reporter(lines.append))
+    with names.deciding():  # like ModelCheckpoint saving top-k, then last, in one hook
         names.plan(1, str(tmp_path / "best.ckpt"))
         names.plan(1, str(tmp_path / "last.ckpt"))
         assert saved == []
     assert saved == [1]
-    with pytest.raises(KeyError), names.deciding(save):
+    with pytest.raises(KeyError), names.deciding():
         names.plan(2, str(tmp_path / "last.ckpt"))
         raise KeyError("the hook failed")
     session.barrier()
-    assert saved == [1] and names.finish(step=2)["lazyckpt/checkpoints"] == 1
-    assert len(lines) == 1 and lines[0].startswith("lazyckpt: 1 checkpoints committed")
+    assert saved == [1]
+    assert names.finish(step=2)["lazyckpt/checkpoints"] == 2 and saved == [1, 2]  # what is planned goes at the end
+    assert len(lines) == 1 and lines[0].startswith("lazyckpt: 2 checkpoints committed")
     names.close(raise_errors=True)
-    with NO_NAMES.deciding(save):  # outside a fit: nothing is planned, requested or published
+    with NO_NAMES.deciding():  # outside a fit: nothing is planned, requested or published
         pass
-    assert saved == [1] and NO_NAMES.poll(block=True) == [] and NO_NAMES.finish(step=2) == {}
+    assert saved == [1, 2] and NO_NAMES.poll(block=True) == [] and NO_NAMES.finish(step=2) == {}
     assert str(tmp_path / "last.ckpt") not in NO_NAMES
 
 
@@ -223,23 +224,24 @@ def test_sessions_on_one_directory_share_one_engine_and_one_snapshot_per_step(tm
     second = CheckpointSession.shared(tmp_path / ".", options(engine={"fsync": False}), rank=0, world_size=1,
                                       engine_retention=False)
     assert second is first
-    best, every = CheckpointNames(first), CheckpointNames(second)
     handles = []
 
     def save(step):
         handles.append(first.save(step, replicated={}, per_rank={"step": step}))
         return handles[-1]
 
+    best, every = CheckpointNames(first, save), CheckpointNames(second, save)
+
     best.plan(1, str(tmp_path / "best.ckpt"))
     every.plan(1, str(tmp_path / "every-1.ckpt"))
-    best.submit(save)
-    every.submit(save)
+    best.submit()
+    every.submit()
     assert handles[0] is handles[1], "the second request of a step gets the first one's snapshot"
     best.close(raise_errors=True)
     for step in (2, 3):  # the engine stays open for the other user; its drops never delete what best names
         every.plan(step, str(tmp_path / f"every-{step}.ckpt"))
         every.drop(str(tmp_path / f"every-{step - 1}.ckpt"))
-        every.submit(save)
+        every.submit()
         first.barrier()
     every.close(raise_errors=True)
     assert os.readlink(tmp_path / "best.ckpt") == "step-0000001"

@@ -59,15 +59,19 @@ class CheckpointNames:
 
     Args:
         session: the run's session (rank 0 alone changes names and deletes).
+        save: requests the snapshot of a step (None or a skipped handle: nothing was saved), e.g. through
+            :meth:`CheckpointSession.save` with the framework's state.
         resumed_from: returns the path the run resumed from: never deleted before this run's first commit, then
             kept only while a name or ``keep_last_k`` keeps it.
         feedback: records every commit found (:meth:`RunFeedback.report`) and the run's summary (:meth:`finish`);
             on rank 0 both go to the ``reporter`` (the other ranks report nothing).
     """
 
-    def __init__(self, session: CheckpointSession, resumed_from: Callable[[], str | None] = lambda: None, *,
-                 feedback: RunFeedback | None = None, reporter: Reporter = Reporter()) -> None:
+    def __init__(self, session: CheckpointSession, save: Callable[[int], PendingCheckpoint | None],
+                 resumed_from: Callable[[], str | None] = lambda: None, *, feedback: RunFeedback | None = None,
+                 reporter: Reporter = Reporter()) -> None:
         self._session = session
+        self._save = save
         self._resumed_from = resumed_from
         self._feedback = feedback
         self._reporter = reporter.on_rank(session.rank)
@@ -110,21 +114,21 @@ class CheckpointNames:
     # --- requests and their completion ----------------------------------------------------------------------
 
     @contextmanager
-    def deciding(self, save: Callable[[int], PendingCheckpoint | None]) -> Iterator[None]:
+    def deciding(self) -> Iterator[None]:
         """Around one framework hook that may plan names: publish what is committed first (:meth:`poll`), then,
         when the hook returns, request the step it planned once (:meth:`submit`), with the state it left."""
         self.poll()
         yield
-        self.submit(save)
+        self.submit()
 
-    def submit(self, save: Callable[[int], PendingCheckpoint | None]) -> list[Committed]:
-        """Request the planned step's snapshot with ``save(step)`` (None or a skipped handle: nothing was saved,
-        and the names it planned are dropped, keeping the ones they would replace); returns :meth:`poll`'s."""
+    def submit(self) -> list[Committed]:
+        """Request the planned step's snapshot, once (nothing saved: the names it planned are dropped, keeping
+        the ones they would replace); returns :meth:`poll`'s."""
         request = self._current
         if request is None or request.submitted:
             return []
         request.submitted = True
-        request.pending = save(request.step)
+        request.pending = self._save(request.step)
         if request.pending is None or request.pending.skipped:
             for kind, name, _ in request.actions:
                 if kind == "link":
@@ -161,8 +165,9 @@ class CheckpointNames:
             self._feedback.report(committed, self._reporter)
 
     def finish(self, *, step: int) -> dict[str, float]:
-        """The end of a run: publish (and report) every request, then report the run's summary at ``step``;
-        returns its metrics ({} on a rank that does not report)."""
+        """The end of a run: request what is planned, publish (and report) every request, then report the run's
+        summary at ``step``; returns its metrics ({} on a rank that does not report)."""
+        self.submit()
         self.poll(block=True)
         return {} if self._feedback is None else self._feedback.finish(self._reporter, step=step)
 
@@ -228,10 +233,10 @@ class _NoNames:
         return False
 
     @contextmanager
-    def deciding(self, save: Callable[[int], PendingCheckpoint | None]) -> Iterator[None]:
+    def deciding(self) -> Iterator[None]:
         yield
 
-    def submit(self, save: Callable[[int], PendingCheckpoint | None]) -> list[Committed]:
+    def submit(self) -> list[Committed]:
         return []
 
     def poll(self, *, block: bool = False, limit: int | None = None) -> list[Committed]:
