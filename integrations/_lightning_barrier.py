@@ -25,6 +25,8 @@ class LazyBarrierMixin:
         super().__init__()
         self.owner = owner
         self._hooks: list[Any] = []
+        self.at_epoch_start = False
+        """A weight-averaging callback writes weights at epoch start: the barrier runs there too."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_hooks": []}  # hook handles are per-process, made in on_train_start()
@@ -35,15 +37,15 @@ class LazyBarrierMixin:
             handle.remove()
         self._hooks.clear()
 
-    def install(self, trainer: Any, namespace: str) -> bool:
-        """Put this callback first in ``trainer.callbacks``; returns whether a weight-averaging callback there
-        writes weights at epoch start (then the barrier runs there too)."""
+    def install(self, trainer: Any, namespace: str) -> None:
+        """Put this callback first in ``trainer.callbacks``; notes whether a weight-averaging callback there writes
+        weights at epoch start (:attr:`at_epoch_start`)."""
         if self not in trainer.callbacks:
             # A new list, not insert(): Lightning is iterating over the old one while it calls setup().
             trainer.callbacks = [self, *trainer.callbacks]
         callbacks = importlib.import_module(f"{namespace}.callbacks")
         writers = tuple(getattr(callbacks, n) for n in _WEIGHT_WRITERS if hasattr(callbacks, n))
-        return any(isinstance(cb, writers) for cb in trainer.callbacks)
+        self.at_epoch_start = any(isinstance(cb, writers) for cb in trainer.callbacks)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -64,7 +66,7 @@ class LazyBarrierMixin:
 
     @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.owner.wait_at_epoch_start:  # StochasticWeightAveraging writes weights here
+        if self.at_epoch_start:  # StochasticWeightAveraging writes weights here
             self.owner.wait_staged()
 
     @override

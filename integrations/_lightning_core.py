@@ -81,7 +81,6 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         self._names: CheckpointNames = NO_NAMES  # outside a fit nothing is planned, requested or published
         self._resumed_rng = ResumedRng()
         self._barrier = self._barrier_class(self)
-        self.wait_at_epoch_start = False
 
     @property
     def trainer(self) -> Any:
@@ -107,7 +106,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         self._trainer_ref = weakref.ref(trainer)
         self._io_class.install(trainer, owner=self)
         route_sharded_loads(trainer.strategy)
-        self.wait_at_epoch_start = self._barrier.install(trainer, self._namespace)
+        self._barrier.install(trainer, self._namespace)
         if stage == "fit":
             check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later
         if stage == "fit" and self.session is None:
@@ -116,16 +115,14 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
                                           lambda: getattr(self.trainer, "ckpt_path", None),
                                           feedback=self._feedback, reporter=trainer_reporter(self))
-            if self.rollback_on_nonfinite:
-                self._rollback = LightningRollback(self.session, trainer)
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
         restore_train_rng(trainer, self._resumed_rng)
-        if self._rollback is not None:
-            self._rollback.on_train_start(trainer)
+        if self.rollback_on_nonfinite:  # the state now is the target of a rollback before the first snapshot
+            self._rollback = LightningRollback(self.session, trainer)
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

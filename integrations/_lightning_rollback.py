@@ -23,12 +23,15 @@ from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy, StepVot
 
 
 class LightningRollback:
-    """The rollback side of one ``LazyCheckpoint`` during one ``fit``."""
+    """The rollback side of one ``LazyCheckpoint`` during one ``fit``, made at the start of training: the state then
+    is the target of a rollback before the first snapshot."""
 
     def __init__(self, session: CheckpointSession, trainer: Any) -> None:
         share = (lambda restored: trainer.strategy.broadcast(restored, src=0)) if trainer.world_size > 1 else None
         self.policy = RollbackPolicy.of_session(session, is_source=trainer.is_global_zero, share=share)
         self.vote = StepVote(trainer.global_step)
+        if self.policy.is_source:
+            self.policy.remember_start(trainer.global_step, training_state(trainer))
 
     @staticmethod
     def check_options(rollback_on_nonfinite: bool, *, weights_only: bool) -> None:
@@ -36,12 +39,6 @@ class LightningRollback:
         if rollback_on_nonfinite and weights_only:
             raise ValueError("rollback_on_nonfinite=True needs save_weights_only=False: a rollback restores the "
                              "optimizers, LR schedulers and scaler too")
-
-    def on_train_start(self, trainer: Any) -> None:
-        """Remember the state at the start: the target of a rollback before the first snapshot."""
-        self.vote = StepVote(trainer.global_step)
-        if self.policy.is_source:
-            self.policy.remember_start(trainer.global_step, training_state(trainer))
 
     def after_batch(self, trainer: Any, outputs: Any) -> bool:
         """Vote on this batch's loss; at an optimizer step, roll back if any rank saw a non-finite one.

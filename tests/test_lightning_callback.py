@@ -182,3 +182,17 @@ def test_fsdp1_and_deepspeed_are_refused_with_what_is_supported(tmp_path, name):
     why = "shard with FSDP2 instead: ModelParallelStrategy" if name == "FSDPStrategy" else "its own checkpoint"
     with pytest.raises(NotImplementedError, match=f"{why}.*Supported: a single device.*DDP.*ModelParallelStrategy"):
         LazyCheckpoint(tmp_path).setup(trainer, None, "fit")
+
+
+def test_the_barrier_goes_first_and_also_waits_at_epoch_start_only_next_to_weight_averaging(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    callback = lazyckpt.LazyCheckpoint(tmp_path)
+    plain, averaging = SimpleNamespace(callbacks=[callback]), SimpleNamespace(
+        callbacks=[StochasticWeightAveraging(swa_lrs=0.1), callback])
+    callback._barrier.install(plain, "lightning.pytorch")
+    assert plain.callbacks[0] is callback._barrier and not callback._barrier.at_epoch_start
+    callback._barrier.install(averaging, "lightning.pytorch")
+    assert averaging.callbacks[0] is callback._barrier and callback._barrier.at_epoch_start
