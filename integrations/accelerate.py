@@ -1,6 +1,7 @@
 """Hugging Face Accelerate integration: ``LazyCheckpointHook`` translates the events of a plain Accelerate loop into
 calls on the policy layer (:mod:`lazyckpt.policy`); what it reads from and restores into Accelerate's objects, and
-the torch hooks that call its :class:`~lazyckpt.policy.UpdateLoop`, are in ``_accelerate_state``. A step is one real optimizer update (not a micro-batch, not an update AMP skipped).
+the torch hooks that call its :class:`~lazyckpt.policy.UpdateLoop`, are in ``_accelerate_state``. A step is one
+real optimizer update (not a micro-batch, not an update AMP skipped).
 
 Example (docs/accelerate.md has the whole loop, and where to start it on resume):
     >>> hook = LazyCheckpointHook("runs/ckpt", every_n_steps=100, keep_last_k=3)      # doctest: +SKIP

@@ -23,7 +23,8 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 from __future__ import annotations
 
-from lazyckpt.policy.feedback import Reporter, RunFeedback, checkpoint_metrics, falling_behind, run_summary, summary_line
+from lazyckpt.policy.feedback import (Reporter, RunFeedback, checkpoint_metrics, falling_behind, run_summary,
+                                      summary_line)
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed

@@ -9,9 +9,10 @@ it: the names become the steps to protect of :meth:`CheckpointSession.purge`.
 
 One step's names are planned while the framework decides (:meth:`CheckpointNames.plan`, ``copy``, ``drop``),
 the snapshot is requested once (:meth:`~CheckpointNames.submit`), and :meth:`~CheckpointNames.poll` publishes
-the committed ones, oldest first (:meth:`~CheckpointNames.deciding` does the three around one framework hook). Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback`
-(stats, the "saved" messages that waited for it, the loggers) when one is given, and :meth:`~CheckpointNames.finish`
-reports the run's summary. Outside a fit an integration holds :data:`NO_NAMES`, which plans and requests nothing.
+the committed ones, oldest first (:meth:`~CheckpointNames.deciding` does the three around one framework hook).
+Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback` (stats, the "saved" messages that
+waited for it, the loggers) when one is given, and :meth:`~CheckpointNames.finish` reports the run's summary.
+Outside a fit an integration holds :data:`NO_NAMES`, which plans and requests nothing.
 """
 
 from __future__ import annotations
