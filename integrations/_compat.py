@@ -49,6 +49,21 @@ def refuse_unsupported_strategy(namespace: str, strategy: Any) -> None:
             "Use ModelCheckpoint with others.")
 
 
+def refuse_sharded_memory_level(strategy: Any, *, keep_in_memory: bool, rollback_on_nonfinite: bool) -> None:
+    """Raise when a ModelParallelStrategy run asks for the memory level or rollback: both restore from one rank's
+    whole copy of the state (DDP's replicated state), and under FSDP2 / tensor parallel each rank holds only its
+    shards, so a restore would load one rank's shards as the whole model."""
+    if not loads_checkpoints_itself(strategy):
+        return
+    for option, asked in (("keep_in_memory", keep_in_memory), ("rollback_on_nonfinite", rollback_on_nonfinite)):
+        if asked:
+            raise ValueError(
+                f"LazyCheckpoint({option}=True) is not supported under ModelParallelStrategy: the in-memory "
+                "snapshot and rollback restore replicated (DDP) state only, and here each rank holds only its "
+                f"shards. Drop {option} (resume from the checkpoint files with ckpt_path='last'), or train with "
+                "strategy='ddp'")
+
+
 def loads_checkpoints_itself(strategy: Any) -> bool:
     """ModelParallelStrategy loads in ``strategy.load_checkpoint``, never through its CheckpointIO."""
     return type(strategy).__name__ == "ModelParallelStrategy"

@@ -102,6 +102,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _compat.refuse_unsupported_strategy(self._namespace, trainer.strategy)
+        _compat.refuse_sharded_memory_level(trainer.strategy, keep_in_memory=self.options.engine["keep_in_memory"],
+                                            rollback_on_nonfinite=self.rollback_on_nonfinite)
         super().setup(trainer, pl_module, stage)
         self._trainer_ref = weakref.ref(trainer)
         self._io_class.install(trainer, owner=self)

@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--every-n-train-steps", type=int)
     parser.add_argument("--stateful-loader", action="store_true")
+    parser.add_argument("--keep-in-memory", action="store_true")
     args = parser.parse_args(argv)
-    cb_kwargs = {"save_top_k": -1, "save_last": True}
+    cb_kwargs = {"save_top_k": -1, "save_last": True, "keep_in_memory": args.keep_in_memory}
     if args.every_n_train_steps:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,

@@ -196,3 +196,13 @@ def test_the_barrier_goes_first_and_also_waits_at_epoch_start_only_next_to_weigh
     assert plain.callbacks[0] is callback._barrier and not callback._barrier.at_epoch_start
     callback._barrier.install(averaging, "lightning.pytorch")
     assert averaging.callbacks[0] is callback._barrier and callback._barrier.at_epoch_start
+
+
+@pytest.mark.parametrize("option", ["keep_in_memory", "rollback_on_nonfinite"])
+def test_model_parallel_refuses_the_memory_level_and_rollback_at_setup(tmp_path, option):
+    # Both restore one rank's whole copy of the state; under ModelParallelStrategy a rank holds only its shards.
+    strategy = pl.strategies.ModelParallelStrategy.__new__(pl.strategies.ModelParallelStrategy)
+    trainer = type("T", (), {"strategy": strategy})()
+    with pytest.raises(ValueError, match=rf"LazyCheckpoint\({option}=True\) is not supported under "
+                                         rf"ModelParallelStrategy.*Drop {option}.*strategy='ddp'"):
+        LazyCheckpoint(tmp_path, **{option: True}).setup(trainer, None, "fit")

@@ -110,6 +110,14 @@ def test_model_parallel_fsdp2_on_cpu_writes_each_rank_its_shards_and_resumes_bit
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
 
 
+def test_model_parallel_refuses_the_memory_level_at_setup_naming_the_option_and_the_fix(tmp_path):
+    # The memory level restores one rank's whole copy; under FSDP2 each rank holds only its shards.
+    proc = _train(tmp_path, "--devices", 2, "--strategy", "model_parallel", "--keep-in-memory", expect_rc=1)
+    assert ("LazyCheckpoint(keep_in_memory=True) is not supported under ModelParallelStrategy" in proc.stderr
+            and "Drop keep_in_memory" in proc.stderr)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("step-")]  # refused before the first step
+
+
 @pytest.mark.parametrize("devices", [3, 1])
 def test_model_parallel_resumes_on_another_number_of_devices_resharded_bit_exact(tmp_path, devices):
     saved = ("--max-epochs", 1, "--strategy", "model_parallel")  # 64 samples, 2 ranks, batch 8: step 4
