@@ -29,12 +29,13 @@ def namespace(name: str = "lightning"):
 def make_module_class(pl):
     class TinyModel(pl.LightningModule):
         def __init__(self, manual: bool = False, n_optimizers: int = 1, hidden: int = 16, samples: int = 64,
-                     stateful_loader: bool = False):
+                     stateful_loader: bool = False, batch_norm: bool = True):
             super().__init__()
             self.save_hyperparameters()
             self.automatic_optimization = not manual
             self.frozen = nn.Linear(8, 8).requires_grad_(False)
-            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.3))
+            norm = nn.BatchNorm1d(hidden) if batch_norm else nn.Identity()
+            self.net = nn.Sequential(nn.Linear(8, hidden), norm, nn.ReLU(), nn.Dropout(0.3))
             self.head = nn.Linear(hidden, 2)
             self.losses: list[float] = []
 
@@ -62,7 +63,14 @@ def make_module_class(pl):
 
         def configure_model(self):
             mesh = getattr(self, "device_mesh", None)
-            if mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
+            if mesh is not None and mesh["tensor_parallel"].size() > 1:  # tensor parallel: the first two layers
+                # (run without BatchNorm: on CPU its replicated parameters drift apart across the tensor-parallel
+                # ranks, and a checkpoint keeps one copy of each replicated parameter)
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                parallelize_module(self, mesh["tensor_parallel"], {"frozen": ColwiseParallel(),
+                                                                   "net.0": RowwiseParallel()})
+            elif mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel ranks
                 from torch.distributed.fsdp import fully_shard
 
                 for module in (self.frozen, self.net, self.head):
@@ -186,6 +194,8 @@ def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: 
 def _strategy(pl, name: str, devices: int):
     if name == "model_parallel":
         return pl.strategies.ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    if name == "tensor_parallel":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=devices)
     return name if devices > 1 else "auto"
 
 
@@ -209,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
-                            model_kwargs={"stateful_loader": args.stateful_loader}, out_at_start=args.out_at_start)
+                            model_kwargs={"stateful_loader": args.stateful_loader,
+                                          "batch_norm": args.strategy != "tensor_parallel"},
+                            out_at_start=args.out_at_start)
     state = final_state(model, trainer) if args.out else None
     if args.out and trainer.is_global_zero:
         torch.save(state, args.out)

@@ -110,6 +110,22 @@ def test_model_parallel_fsdp2_on_cpu_writes_each_rank_its_shards_and_resumes_bit
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)
 
 
+def test_tensor_parallel_on_cpu_writes_each_rank_its_shards_and_resumes_bit_exact(tmp_path):
+    # ColwiseParallel then RowwiseParallel on a 1-D tensor-parallel mesh of 2 gloo ranks (every rank sees every batch)
+    args = ("--devices", 2, "--max-epochs", 3, "--strategy", "tensor_parallel")  # 8 steps an epoch
+    _train(tmp_path / "full", *args, out=tmp_path / "full.pt")
+    crashed = tmp_path / "crashed"
+    _train(crashed, *args, "--crash-at", 16, expect_rc=17)
+    assert _committed(crashed) == ["step-0000008"]
+    step_dir = crashed / "step-0000008"
+    ranks = [lazyckpt.load(step_dir, rank=r)["state_dict"] for r in (0, 1)]  # consolidated, no process group
+    assert ranks[0]["frozen.weight"].shape == (8, 8) and ranks[0]["net.0.weight"].shape == (16, 8)
+    for key, tensor in ranks[0].items():  # the sharded layers come back whole on every rank
+        assert torch.equal(tensor, ranks[1][key]), key
+    _train(crashed, *args, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=16)
+
+
 def test_model_parallel_refuses_the_memory_level_at_setup_naming_the_option_and_the_fix(tmp_path):
     # The memory level restores one rank's whole copy; under FSDP2 each rank holds only its shards.
     proc = _train(tmp_path, "--devices", 2, "--strategy", "model_parallel", "--keep-in-memory", expect_rc=1)
