@@ -19,6 +19,7 @@ from lazyckpt.policy import RunLayout, restore_sharded
 from lazyckpt.policy.sharded import set_sharded_states as set_states
 from lazyckpt.policy.sharded import sharded_states
 from lazyckpt.reader import CheckpointReader
+from lazyckpt.remote.urls import storage_for
 
 RUN_KEYS = ("rng",)
 """Per-process values a process the checkpoint was not saved by keeps as they are: its RNG states. It takes
@@ -42,9 +43,9 @@ def check_supported(models: list[torch.nn.Module], *, keep_in_memory: bool) -> N
                          "in-memory snapshot and rollback serve replicated (DDP) state only; drop keep_in_memory")
 
 
-def outline(path: str) -> Any:
+def outline(path: str, storage_options: dict[str, Any] | None) -> Any:
     """Process 0's tree with each tensor a placeholder of its global shape (nothing read): for the fit check."""
-    return CheckpointReader(path).outline(0)
+    return CheckpointReader(*storage_for(path, None, storage_options)).outline(0)
 
 
 def any_world_size(layout: RunLayout) -> RunLayout:
@@ -54,7 +55,8 @@ def any_world_size(layout: RunLayout) -> RunLayout:
 
 
 def restore(path: str, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], *, rank: int,
-            world_size: int, verify: bool) -> dict[str, Any]:
+            world_size: int, verify: bool, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """Fill the model's and optimizers' shards in place; the checkpoint's tree as this process sees it."""
     return restore_sharded(path, model, optimizers, model_key=("models", 0), optimizers_key="optimizers",
-                           run_keys=RUN_KEYS, rank=rank, world_size=world_size, verify=verify)
+                           run_keys=RUN_KEYS, rank=rank, world_size=world_size, verify=verify,
+                           storage_options=storage_options)

@@ -18,6 +18,7 @@ import torch
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, UpdateLoop, capture_rng, check_fits,
                              find_generators)
+from lazyckpt.remote.urls import options_for
 
 from . import _accelerate_sharded as sharded
 from . import _compat
@@ -187,12 +188,13 @@ class PreparedRun:
         ``load`` is ``lazyckpt.load`` or the session's (which reads a remote URL with the run's options).
         """
         shared = None if self.sharded else load(path, verify=verify)  # read once: the fit check and the restore
-        saved, here, problems = self.layouts(sharded.outline(path) if self.sharded else shared)
+        remote = options_for(path, self.hook.options.engine.get("storage_options"))  # sharded reads a URL directly
+        saved, here, problems = self.layouts(sharded.outline(path, remote) if self.sharded else shared)
         check_fits(path, saved, here, problems=problems)
         index = self.accelerator.process_index
         if self.sharded:  # each process reads the parts of the shards it holds now, and its per-process values
             tree = sharded.restore(path, self.models[0], self.optimizers, rank=index,
-                                   world_size=self.accelerator.num_processes, verify=verify)
+                                   world_size=self.accelerator.num_processes, verify=verify, storage_options=remote)
             self.restore(tree, tree)
             return tree
         self.restore(shared, shared if index == 0 else load(path, verify=verify, rank=index))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 
@@ -213,8 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every-n-train-steps", type=int)
     parser.add_argument("--stateful-loader", action="store_true")
     parser.add_argument("--keep-in-memory", action="store_true")
+    parser.add_argument("--remote", help="the remote level's URL")
+    parser.add_argument("--storage-options", type=json.loads, help="its fsspec storage_options, as JSON")
     args = parser.parse_args(argv)
     cb_kwargs = {"save_top_k": -1, "save_last": True, "keep_in_memory": args.keep_in_memory}
+    if args.remote:
+        cb_kwargs.update(remote=args.remote, storage_options=args.storage_options)
     if args.every_n_train_steps:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from _distributed import run_ranks
+from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from conftest import clone_tree
 
 pytestmark = pytest.mark.slow
@@ -134,6 +135,37 @@ def test_resume_on_another_number_of_processes_reshards_bit_exact(trained, tmp_p
     root, full = trained
     run_ranks(_resume, processes, str(root / "ckpt" / "step-0000004"), str(tmp_path / "resumed.pt"))
     _assert_same(torch.load(tmp_path / "resumed.pt", weights_only=False)["resumed"], full["at_four"])
+
+
+def _train_with_remote(rank: int, world_size: int, dirpath: str, url: str, options: dict) -> None:
+    from lazyckpt import LazyCheckpointHook
+
+    accelerator, model, opt, sched = _fsdp2_run(rank, world_size)
+    hook = LazyCheckpointHook(dirpath, every_n_steps=EVERY, remote=url, storage_options=options).register(accelerator)
+    _iterate(accelerator, model, opt, sched, range(1, 5), rank)
+    hook.close()
+
+
+def _resume_from_remote(rank: int, world_size: int, dirpath: str, url: str, options: dict, out: str) -> None:
+    from lazyckpt import LazyCheckpointHook
+
+    accelerator, model, opt, sched = _fsdp2_run(rank, world_size)
+    hook = LazyCheckpointHook(dirpath, every_n_steps=EVERY, remote=url, storage_options=options).register(accelerator)
+    step = hook.resume()  # the local directory is empty: the newest checkpoint is on the remote
+    resumed = _full_state(model, opt, sched)
+    hook.close()
+    if rank == 0:
+        torch.save({"step": step, "resumed": resumed}, out)
+
+
+def test_resume_on_an_empty_node_reads_the_shards_from_the_remote_bit_exact(trained, tmp_path, s3_remote):
+    url, options = s3_remote
+    run_ranks(_train_with_remote, 2, str(tmp_path / "node-a"), url, options)
+    run_ranks(_resume_from_remote, 2, str(tmp_path / "node-b"), url, options, str(tmp_path / "resumed.pt"))
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert resumed["step"] == 4
+    _assert_same(resumed["resumed"], trained[1]["at_four"])
+    assert not any(n.startswith("step-") for n in os.listdir(tmp_path / "node-b"))  # ranged reads, nothing fetched
 
 
 def _refusals(rank: int, world_size: int, dirpath: str) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+
+import pytest
 
 from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from conftest import assert_tree_equal
@@ -72,6 +77,33 @@ def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_p
     assert trainer.ckpt_path == str(fetched), "resumed from the copy fetched from the remote level"
     for key, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.slow
+def test_lightning_model_parallel_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_path, s3_remote):
+    import torch
+
+    url, options = s3_remote
+    remote = ("--remote", url, "--storage-options", json.dumps(options), "--strategy", "model_parallel",
+              "--devices", 2)  # FSDP2 over 2 gloo ranks; 4 steps an epoch
+    _helper(tmp_path / "node-a", *remote, "--max-epochs", 1, "--out", tmp_path / "saved.pt")
+    shutil.rmtree(tmp_path / "node-a")
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000004"
+    _helper(tmp_path / "node-b", *remote, "--max-epochs", 2, "--resume", "last",
+            "--out-at-start", tmp_path / "restored.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    restored = torch.load(tmp_path / "restored.pt", weights_only=False)
+    assert restored["global_step"] == 4, "fetched from the remote level, then resumed"
+    for key, tensor in saved["model"].items():
+        assert torch.equal(restored["model"][key], tensor), key
+    assert_tree_equal(restored["optimizers"], saved["optimizers"])
+
+
+def _helper(dirpath, *args) -> None:
+    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lightning_helpers.py")
+    cmd = [sys.executable, helper, "--dirpath", str(dirpath), *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_lightning_with_a_url_dirpath_uploads_every_checkpoint_and_resumes_from_it_on_an_empty_node(

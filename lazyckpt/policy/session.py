@@ -33,7 +33,7 @@ from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.remote.urls import is_url
+from lazyckpt.remote.urls import options_for
 from lazyckpt.rendezvous import default_store
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.sharding import PerRank
@@ -216,8 +216,7 @@ class CheckpointSession:
 
     def load(self, path: str, **kwargs: Any) -> Any:
         """``lazyckpt.load(path, ...)``, reading a remote URL with this run's ``storage_options``."""
-        options = self.engine.config.storage_options if is_url(path) else None
-        return load(path, storage_options=options, **kwargs)
+        return load(path, storage_options=options_for(path, self.engine.config.storage_options), **kwargs)
 
     def close(self) -> None:
         """Finish the checkpoints in flight and release the directory (re-raises a background failure); a shared

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lazyckpt.reader import CheckpointReader
+from lazyckpt.remote.urls import storage_for
 from lazyckpt.reshard import load_into
 
 
@@ -46,7 +47,8 @@ def per_rank_source(rank: int, world_size: int, saved: int) -> PerRankSource:
 
 def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                     *, model_key: str | tuple[str, int], optimizers_key: str, run_keys: Collection[str] = (),
-                    rank: int | None = None, world_size: int | None = None, verify: bool = True) -> dict[str, Any]:
+                    rank: int | None = None, world_size: int | None = None, verify: bool = True,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` from the checkpoint at ``path``; return the rest of its tree.
 
     Args:
@@ -57,6 +59,8 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
             returned dict on a rank the checkpoint was not saved by, which then keeps its current values.
         rank: this process's rank; world_size: the number of ranks restoring (any number: see the module doc).
             Default: the default process group's (0 and 1 without one).
+        storage_options: passed to fsspec when ``path`` is a URL (a remote level): each rank reads only the byte
+            ranges of the shards it needs, nothing is fetched.
 
     Returns:
         The target state dicts at ``model_key`` and ``optimizers_key``, the checkpoint's other values, and the
@@ -66,11 +70,12 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
         CheckpointMismatchError: a parameter or optimizer state of this run is not in the checkpoint.
     """
     rank, world_size = _group_rank(rank, world_size)
-    source = per_rank_source(rank, world_size, CheckpointReader(os.fspath(path)).world_size)
+    saved = CheckpointReader(*storage_for(os.fspath(path), None, storage_options)).world_size
+    source = per_rank_source(rank, world_size, saved)
     key, index = (model_key, None) if isinstance(model_key, str) else model_key
     model_state, optimizer_states = sharded_states(module, optimizers)
     targets = {key: model_state if index is None else [{}] * index + [model_state], optimizers_key: optimizer_states}
-    loaded = load_into(path, targets, verify=verify, rank=source.rank)
+    loaded = load_into(path, targets, verify=verify, rank=source.rank, storage_options=storage_options)
     set_sharded_states(module, optimizers, loaded[key] if index is None else loaded[key][index], loaded[optimizers_key])
     _report_changed_ranks(os.fspath(path), source, rank, world_size, run_keys, loaded)
     return loaded

@@ -29,6 +29,11 @@ def check_url(name: str, url: object) -> str:
     return stripped
 
 
+def options_for(path: object, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run's fsspec ``storage_options`` when ``path`` is a URL; None for a local path (which takes none)."""
+    return storage_options if is_url(path) else None
+
+
 def join(url: str, *names: str) -> str:
     """``url/name/...`` (URLs always use ``/``, whatever the local separator)."""
     return "/".join([url.rstrip("/"), *names])
