@@ -21,7 +21,12 @@ import sys
 import numpy as np
 import torch
 
-from lazyckpt._native import lzc64
+try:
+    from lazyckpt._native import lzc64
+except ImportError as e:  # a source tree used without being installed
+    raise ImportError("lazyckpt's C checksum loop (lazyckpt/_native/lzc64.c) is not built: install the package with "
+                      "`pip install -e .` (or `pip install .`), which compiles it; a C compiler and the Python "
+                      "headers must be present") from e
 
 ALGORITHM = "lzc64-v1"
 CHUNK_BYTES = 1 << 20

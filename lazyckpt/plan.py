@@ -60,10 +60,13 @@ def layout(entries: list[TensorEntry]) -> tuple[list[TensorEntry], int]:
 
     Returns the placed entries, in file order, and the data section's length.
     """
-    # Within each group: sizes that are multiples of 16 first (they keep every later one of them 16-byte
-    # aligned, the fast word path of the copy kernels), then wider dtypes first (element alignment).
+    # Within each group: sizes that are multiples of 4 KiB first (they keep the file offsets of every piece up to
+    # the first other one 4 KiB-aligned, so the writer sends those slots to the disk in place), then multiples of
+    # 16 (they keep every later one of them 16-byte aligned, the fast word path of the copy kernels), then wider
+    # dtypes first (element alignment).
     def group(lazy: bool) -> list[TensorEntry]:
-        return sorted((e for e in entries if e.lazy == lazy), key=lambda e: (e.nbytes % 16 != 0, -_alignment(e)))
+        return sorted((e for e in entries if e.lazy == lazy),
+                      key=lambda e: (e.nbytes % _PAGE != 0, e.nbytes % 16 != 0, -_alignment(e)))
 
     ordered = group(True) + group(False)
     placed, offset = [], 0
@@ -71,6 +74,9 @@ def layout(entries: list[TensorEntry]) -> tuple[list[TensorEntry], int]:
         placed.append(TensorEntry(entry.key, entry.dtype, entry.shape, entry.nbytes, offset, entry.lazy))
         offset += entry.nbytes
     return placed, offset
+
+
+_PAGE = 4096
 
 
 def _alignment(entry: TensorEntry) -> int:

@@ -6,9 +6,9 @@ optimizer. Here the destination of an entry is the caller's own tensor when one 
 :func:`lazyckpt.load_into` finds its targets: by the flattened key of a state with live tensors at its leaves),
 so the bytes land where they are used and ``load_state_dict`` of the result copies nothing; an entry without a
 fitting target gets a fresh tensor. Each 1 MiB chunk is copied and checked by
-:func:`lazyckpt.checksum.copy_checksum`: every cache-sized block is mixed into the chunk's checksum right after
-its copy, so the snapshot's bytes are read from memory once. With more than one torch thread the chunks are
-spread over that many threads (numpy releases the GIL for the copy and the checksum).
+:func:`lazyckpt.checksum.copy_checksum`: each word is mixed into the chunk's checksum as it is copied, so the
+snapshot's bytes are read from memory once. With more than one torch thread the chunks are spread over that many
+threads (the copy-and-check loop releases the GIL).
 
 Example:
     >>> dests = Destinations(job.entries, tensor_targets({"model": model.state_dict()}), "snapshot")  # doctest: +SKIP

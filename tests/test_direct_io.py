@@ -58,3 +58,13 @@ def test_an_aligned_buffer_is_in_the_file_when_write_returns_and_an_unaligned_on
 def test_pool_slots_start_on_page_boundaries():
     pool = HostBufferPool(3, slot_bytes=1 << 20)
     assert all(pool.slot(i).data_ptr() % ALIGN == 0 for i in range(3))
+
+
+def test_tensors_whose_sizes_are_whole_pages_are_laid_out_first_so_their_offsets_stay_page_aligned():
+    from lazyckpt.plan import TensorEntry, layout
+
+    sizes = {"odd": 1000 * 4, "page": 1024 * 4, "big": 3 * 1024 * 4, "word": 12 * 4}
+    entries = [TensorEntry(k, "F32", (n // 4,), n, lazy=True) for k, n in sizes.items()]
+    placed, _ = layout(entries)
+    assert [e.key for e in placed[:2]] == ["page", "big"]
+    assert all(e.offset % ALIGN == 0 for e in placed[:3])  # up to and including the first other size

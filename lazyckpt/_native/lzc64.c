@@ -11,10 +11,14 @@ static const uint64_t K1 = 0x9E3779B97F4A7C15ULL;
 static const uint64_t M1 = 0xBF58476D1CE4E5B9ULL;
 #define SHIFT 29
 
-/* One clone per instruction set, picked at load time: with AVX2 or AVX-512 the compiler vectorizes the 64-bit
- * multiply over several words at once (measured ~3x on one core); the default clone runs anywhere. */
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* One clone per instruction set, picked at load time (an ifunc: GCC on x86-64 with glibc): with AVX2 or AVX-512
+ * the compiler vectorizes the 64-bit multiply over several words at once (measured 2x on one core); the default
+ * clone runs anywhere. "arch=x86-64-v4" (AVX-512 with the DQ multiply) needs GCC 12; older GCC gets AVX2 only,
+ * other compilers and libcs the plain loop. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif

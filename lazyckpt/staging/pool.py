@@ -58,8 +58,10 @@ _PAGE = 4096
 
 def _page_aligned(nbytes: int, *, pin: bool) -> torch.Tensor:
     """``nbytes`` of host memory starting on a 4 KiB boundary: the writer sends aligned slots to the disk with
-    ``O_DIRECT`` straight from the pool, without a bounce copy (pinned memory is page-aligned already)."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin)
+    ``O_DIRECT`` straight from the pool, without a bounce copy."""
+    if pin:  # page-locked memory is page-aligned; asking for one page more would double a power-of-two pool
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % _PAGE
     return raw[skip : skip + nbytes]
 

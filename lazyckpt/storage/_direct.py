@@ -103,6 +103,7 @@ class _AlignedStream:
     def _write_in_place(self, buf: memoryview) -> memoryview:
         """Write the aligned front of ``buf`` straight from it when it and the file position allow; returns the
         rest. Synchronous: the caller may reuse ``buf`` once ``append`` returns."""
+        self._raise_if_failed()  # an earlier bounce write failed: stop writing this file now
         whole = len(buf) - len(buf) % _ALIGN
         if not whole or self.fill % _ALIGN or np.frombuffer(buf, np.uint8).ctypes.data % _ALIGN:
             return buf
@@ -110,7 +111,6 @@ class _AlignedStream:
             self._hand_over(self.fill)
             self.start, self.fill = self.start + self.fill, 0
             self.current = self.free.get()
-            self._raise_if_failed()
         pwrite_all(self.fd, [buf[:whole]], self.start)
         self.start += whole
         return buf[whole:]
