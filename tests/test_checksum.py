@@ -67,3 +67,16 @@ def test_a_copy_checksummed_block_by_block_equals_the_copied_bytes_and_their_che
 def test_a_copy_between_arrays_of_different_sizes_is_refused():
     with pytest.raises(ValueError, match="dest of 8 and source of 16 bytes"):
         copy_checksum(np.zeros(8, np.uint8), np.zeros(16, np.uint8))
+
+
+@pytest.mark.parametrize("dest_offset", [0, 8, 13])
+def test_large_copies_into_aligned_and_unaligned_memory_give_the_same_bytes_and_checksum(dest_offset):
+    # Copies of at least 256 KiB into 64-byte-aligned memory take the streaming-store path where the CPU has one.
+    data = np.random.default_rng(3).integers(0, 256, CHUNK_BYTES + 64, dtype=np.uint8)
+    raw = np.zeros(CHUNK_BYTES + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + dest_offset
+    for size in (CHUNK_BYTES, (256 << 10), (256 << 10) + 8 * 7, CHUNK_BYTES - 3):
+        dest = raw[start : start + size]
+        dest[:] = 0
+        assert copy_checksum(dest, data[1 : 1 + size]) == _formula(data[1 : 1 + size]), (dest_offset, size)
+        assert np.array_equal(dest, data[1 : 1 + size]), (dest_offset, size)
