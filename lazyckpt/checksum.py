@@ -35,8 +35,8 @@ M1 = 0xBF58476D1CE4E5B9
 SHIFT = 29
 _MASK64 = (1 << 64) - 1
 
-# The mixing loop is C (lazyckpt/_native/lzc64.c), one pass per word with the GIL released: measured 5x faster
-# than the five numpy vector passes it replaced (~25 GB/s on one core), and a copy that mixes each word as it
+# The mixing loop is C (lazyckpt/_native/lzc64.c), one pass per word with the GIL released: measured about 4x
+# faster than the five numpy vector passes it replaced (289 MiB: 12 against 46 ms on one core), and a copy that mixes each word as it
 # moves it costs what a plain copy does, so the bytes are read from memory once. It reads words in host order.
 if sys.byteorder != "little":
     raise ImportError("lazyckpt's checksum reads little-endian words in host order; this host is big-endian")
