@@ -28,7 +28,7 @@ from lazyckpt.remote.urls import join
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.retention import steps_to_purge
-from lazyckpt.threads import WRITER_NICE, start_background_thread
+from lazyckpt.threads import UPLOAD_NICE, start_background_thread
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
@@ -170,7 +170,7 @@ class RemoteLevel:
 
     def _enqueue(self, upload: RemoteUpload, local_dir: str) -> None:
         if self._thread is None:
-            self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=WRITER_NICE)
+            self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=UPLOAD_NICE)
         self._queue.put((upload, local_dir))
 
     def cancel(self, step: int) -> None:
