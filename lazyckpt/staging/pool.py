@@ -6,7 +6,7 @@ import queue
 
 import torch
 
-from lazyckpt.plan import PIECE_BYTES
+from lazyckpt.plan import PAGE_BYTES, PIECE_BYTES
 
 
 class HostBufferPool:
@@ -53,16 +53,13 @@ class HostBufferPool:
         return self._memory[start : start + self.slot_bytes]
 
 
-_PAGE = 4096
-
-
 def _page_aligned(nbytes: int, *, pin: bool) -> torch.Tensor:
     """``nbytes`` of host memory starting on a 4 KiB boundary: the writer sends aligned slots to the disk with
     ``O_DIRECT`` straight from the pool, without a bounce copy."""
     if pin:  # page-locked memory is page-aligned; asking for one page more would double a power-of-two pool
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _PAGE
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE_BYTES
     return raw[skip : skip + nbytes]
 
 

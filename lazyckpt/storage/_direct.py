@@ -95,10 +95,15 @@ class _AlignedStream:
                 self.fill += take
                 buf = buf[take:]
                 if self.fill == _BOUNCE_BYTES:
-                    self._hand_over(_BOUNCE_BYTES)
-                    self.start, self.fill = self.start + _BOUNCE_BYTES, 0
-                    self.current = self.free.get()  # waits while every other buffer is still being written
-                    self._raise_if_failed()
+                    self._send_bounce()
+
+    def _send_bounce(self) -> None:
+        """Hand the filled bounce buffer (a whole number of aligned blocks) to the I/O thread and go on in the
+        next free one; waits while every other buffer is still being written."""
+        self._hand_over(self.fill)
+        self.start, self.fill = self.start + self.fill, 0
+        self.current = self.free.get()
+        self._raise_if_failed()
 
     def _write_in_place(self, buf: memoryview) -> memoryview:
         """Write the aligned front of ``buf`` straight from it when it and the file position allow; returns the
@@ -108,9 +113,7 @@ class _AlignedStream:
         if not whole or self.fill % _ALIGN or np.frombuffer(buf, np.uint8).ctypes.data % _ALIGN:
             return buf
         if self.fill:  # the bounce's aligned bytes go first, in file order
-            self._hand_over(self.fill)
-            self.start, self.fill = self.start + self.fill, 0
-            self.current = self.free.get()
+            self._send_bounce()
         pwrite_all(self.fd, [buf[:whole]], self.start)
         self.start += whole
         return buf[whole:]
