@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, help="run the distributed methods (FSDP2, DDP) on this many gloo "
                    "ranks on CPU instead of the single-process ones (dist_compare.py)")
     p.add_argument("--from-json", help="do not run: re-aggregate and re-plot the runs of an earlier --json file")
+    p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                   help="pin glibc's mmap threshold in every run (MALLOC_MMAP_THRESHOLD_): glibc's own threshold "
+                   "moves with the allocation history, so freed activations stay resident in some runs and not in "
+                   "others and peak RSS scatters by ~100 MB between repeats; pinned, extra RSS is measurable to a "
+                   "few MB. Timings under it are not those of the default allocator (default: unset)")
     args = p.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -208,8 +213,9 @@ def run_one(server: Any, key: str, repeat: int, workload: Workload, root: str, r
     return result
 
 
-def fork_server(workload: Workload) -> Any:
-    """A multiprocessing context whose fork server imported torch and the plain-loop checkpoint libraries."""
+def fork_server(workload: Workload, malloc_mmap_threshold: int | None = None) -> Any:
+    """A multiprocessing context whose fork server imported torch and the plain-loop checkpoint libraries (with
+    glibc's mmap threshold pinned when given: glibc reads it when the server starts, and every run forks from it)."""
     import multiprocessing
 
     from runner import PRELOAD_ENV
@@ -222,6 +228,8 @@ def fork_server(workload: Workload) -> Any:
     path = os.pathsep.join(p for p in (HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)
     os.environ.update(OMP_NUM_THREADS=str(workload.threads), MKL_NUM_THREADS=str(workload.threads),
                       PYTHONWARNINGS="ignore", PYTHONPATH=path, **{PRELOAD_ENV: ",".join(modules)})
+    if malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
     server = multiprocessing.get_context("forkserver")
     server.set_forkserver_preload(["runner"])
     return server
@@ -308,7 +316,7 @@ def _benchmark(args, workload, keys, root, methods, baseline_for, make_reference
         "O_DIRECT")
     reference = os.path.join(root, "reference.pt")
     make_reference(workload, reference)
-    server = fork_server(workload)
+    server = fork_server(workload, args.malloc_mmap_threshold)
     runs = []
     for repeat in range(args.repeats):
         order = list(keys)

@@ -277,7 +277,8 @@ def main(args: Any, machine_info: Any) -> int:
     try:
         log(f"{args.world_size} gloo ranks, {workload.threads} thread(s) each; work dir {root}")
         machine = machine_info(root, 64 * MiB)
-        keys, runs = benchmark(args, workload, fork_server(workload), root)
+        keys, runs = benchmark(args, workload, fork_server(workload, args.malloc_mmap_threshold),
+                               root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     entries = aggregate([DIST_METHODS[k] for k in DIST_METHODS if k in keys], runs, DIST_BASELINE_FOR)

@@ -170,3 +170,20 @@ def test_distributed_metrics_take_the_worst_and_the_median_rank(monkeypatch):
     assert lazy["extra_rss_mb"]["median"] == pytest.approx(110)  # against the same rank of the baseline
     assert lazy["extra_rss_x_shard"]["median"] == pytest.approx(1.1)
     assert lazy["e2e_slowdown_pct"]["median"] == pytest.approx(20)
+
+
+def test_malloc_mmap_threshold_is_set_for_the_fork_server_only_when_asked(monkeypatch):
+    """glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts: it must be in the environment the fork server
+    (every run's parent) starts with, and absent unless ``--malloc-mmap-threshold`` asked for it."""
+    monkeypatch.syspath_prepend(BENCH)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # fork_server edits the environment: keep ours clean
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    import compare
+    from workload import Workload
+
+    assert compare.parse_args(["--quick"]).malloc_mmap_threshold is None
+    compare.fork_server(Workload())
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    args = compare.parse_args(["--quick", "--malloc-mmap-threshold", "1048576"])
+    compare.fork_server(Workload(), args.malloc_mmap_threshold)
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "1048576"
