@@ -361,8 +361,9 @@ class LazyCheckpointer:
         if job.failed:
             return False
         try:
-            resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
-            job.tree = fill_deferred(job.tree, resolved)
+            if job.deferred:  # filling walks the whole tree: a few ms on the training thread for large states
+                resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
+                job.tree = fill_deferred(job.tree, resolved)
         except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
             if job.fail(e):  # the file is closed already, so no finalize will discard the job: do it here
                 self._discard_off_writer(job)
