@@ -25,20 +25,20 @@ from typing import Any
 import torch
 
 from lazyckpt.capture import capture_job
-from lazyckpt.config import CheckpointConfig, OnBusy, OnOlderStep, normalize_dirpath
+from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
 from lazyckpt.copier import Copier
-from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError, StepOrderError
-from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
-from lazyckpt.housekeeping import DirectoryLock, move_aside, remove_partials
+from lazyckpt.directory import CommittedSteps, meet_ranks
+from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError
+from lazyckpt.format import step_dirname
+from lazyckpt.housekeeping import DirectoryLock
 from lazyckpt.inflight import InFlight, deliver_error
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.remote.options import split_levels
 from lazyckpt.pending import PendingCheckpoint, remaining
 from lazyckpt.remote.upload import RemoteLevel, open_remote_level
-from lazyckpt.rendezvous import Rendezvous, default_store, group_rank
+from lazyckpt.rendezvous import default_store, group_rank
 from lazyckpt.memory_level import MemoryLevel
-from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
 from lazyckpt.stats import StatsLog
@@ -85,7 +85,8 @@ class LazyCheckpointer:
         self.storage.make_dir(self.dirpath)
         self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
         try:
-            self._rendezvous = self._meet(store)
+            self._rendezvous = meet_ranks(self.dirpath, self.storage, self.config,
+                                          default_store() if store is GROUP_STORE else store)
             if self.remote is not None:
                 self.remote.meet_through(self._rendezvous)
         except BaseException:
@@ -101,8 +102,8 @@ class LazyCheckpointer:
         """The newest committed checkpoints' :class:`~lazyckpt.CheckpointStats` (a bounded window, iterable and
         indexable) and ``stats.total``, running totals over all of them."""
         self._writer = SharedWriter.get()
-        self._newest_committed: int | None = None
-        """Cache of the newest committed step (None: list the directory when next needed)."""
+        self._steps = CommittedSteps(self.dirpath, self.storage, self.config, rendezvous=self._rendezvous,
+                                     remote=self.remote)
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -141,7 +142,7 @@ class LazyCheckpointer:
             warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
                           "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=2)
             return PendingCheckpoint(self, None, step)
-        self._check_step_order(step)
+        self._steps.check_order(step)
         self._attempts += 1
         attempt, rendezvous = self._attempts, self._rendezvous
         agree = None if rendezvous is None else (lambda signature: rendezvous.agree(attempt, signature))
@@ -181,16 +182,7 @@ class LazyCheckpointer:
         """
         if self._inflight.find(step) is not None:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
-        path = os.path.join(self.dirpath, step_dirname(step))
-        if step == self._newest_committed:  # removing an older step leaves the newest as it is
-            self._newest_committed = None
-        doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
-        try:
-            self.storage.rename(path, doomed, sync=False)
-        except FileNotFoundError:
-            return False
-        self.storage.remove_tree(doomed)
-        return True
+        return self._steps.remove(step)
 
     def memory_snapshot(self, *, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
@@ -285,46 +277,9 @@ class LazyCheckpointer:
             self._drain(job)
         return True
 
-    def _check_step_order(self, step: int) -> None:
-        """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
-        checkpoint of the run that is training now."""
-        if self._newest_committed is not None and step > self._newest_committed:
-            return
-        committed = committed_steps(self.dirpath, self.storage)
-        newer = sorted(s for s in committed if s > step)
-        self._newest_committed = max(committed, default=-1)
-        if not newer:
-            return
-        if self.config.on_older_step is OnOlderStep.ERROR:
-            raise StepOrderError(
-                f"step {step} is lower than the committed step(s) {newer} in {self.dirpath}, which latest() would "
-                "keep returning; to resume from an older checkpoint pass on_older_step='move_aside' (renames the "
-                "newer ones to step-N.superseded) or remove() them first")
-        if self._leads_directory:
-            for newer_step in newer:
-                move_aside(self.dirpath, newer_step, self.storage)
-        self._newest_committed = None
-
     def _deliver_remote_error(self) -> None:
         if self.remote is not None:
             self.remote.deliver_error()
-
-    def _meet(self, store: Any) -> Rendezvous | None:
-        """Without a store, rank 0 clears crash leftovers; with one, the ranks agree who leads each directory."""
-        store = default_store() if store is GROUP_STORE else store
-        if self.config.world_size == 1 or store is None:
-            if self.config.rank == 0:
-                remove_partials(self.dirpath, self.storage)
-            return None
-        return Rendezvous(store, rank=self.config.rank, world_size=self.config.world_size, dirpath=self.dirpath,
-                          storage=self.storage, timeout_s=self.config.commit_timeout_s,
-                          clear_dir=lambda: remove_partials(self.dirpath, self.storage))
-
-    @property
-    def _leads_directory(self) -> bool:
-        """This rank removes, moves and purges in its directory (rank 0, or its directory's leader)."""
-        leader = 0 if self._rendezvous is None else self._rendezvous.leader
-        return self.config.rank == leader
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:
@@ -421,24 +376,14 @@ class LazyCheckpointer:
             self._memory.publish(job)
         job.stats.flush_s = time.monotonic() - job.requested_at
         self.stats.append(job.stats)
-        if self._newest_committed is not None:
-            self._newest_committed = max(self._newest_committed, job.step)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
         if self.remote is not None:
             self.remote.submit(job.step, job.final_dir)
-        if self._leads_directory:
-            try:
-                self._purge(job.step)
-            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
-                logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
-
-    def _purge(self, just_committed: int) -> None:
-        steps = committed_steps(self.dirpath, self.storage)
-        uploading = [s for s in steps if self.remote is not None and self.remote.holds(s)]
-        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,
-                                   protected=uploading):  # purged by a later commit once uploaded
-            self.remove(step)
+        try:
+            self._steps.committed(job.step)
+        except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
+            logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
 
     def __del__(self) -> None:
         try:

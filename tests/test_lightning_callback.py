@@ -175,6 +175,25 @@ def test_a_background_failure_stops_training_and_keeps_older_checkpoints(tmp_pat
     assert lazyckpt.load(lazyckpt.latest(tmp_path))["global_step"] == 8
 
 
+def test_save_on_exception_outside_a_fit_lets_the_exception_through_and_says_nothing_was_saved(tmp_path):
+    class FailingValidation(TinyModel):
+        fail = False
+
+        def validation_step(self, batch, batch_idx):
+            if self.fail:
+                raise KeyError("validation failed")
+            return super().validation_step(batch, batch_idx)
+
+    model = FailingValidation()
+    trainer = pl.Trainer(max_steps=3, limit_val_batches=1, **QUIET,
+                         callbacks=[LazyCheckpoint(tmp_path, every_n_train_steps=5, save_on_exception=True)])
+    trainer.fit(model)
+    model.fail = True
+    with pytest.raises(KeyError, match="validation failed"), pytest.warns(RuntimeWarning, match="only while fitting"):
+        trainer.validate(model)  # not fitting: ModelCheckpoint still saves on the exception
+    assert lazyckpt.latest(tmp_path) is None
+
+
 @pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy"])
 def test_fsdp1_and_deepspeed_are_refused_with_what_is_supported(tmp_path, name):
     strategy = getattr(pl.strategies, name).__new__(getattr(pl.strategies, name))  # DeepSpeed needs its package

@@ -218,6 +218,21 @@ def test_names_request_once_when_a_hook_returns_nothing_when_it_raises_and_repor
     assert str(tmp_path / "last.ckpt") not in NO_NAMES
 
 
+def test_no_names_is_checkpoint_names_that_answers_every_call_without_a_session(tmp_path):
+    from lazyckpt.policy import NO_NAMES
+    from lazyckpt.policy.names import _NoNames
+
+    public = {n for n in dir(CheckpointNames) if not n.startswith("_")} | {"__contains__"}
+    assert isinstance(NO_NAMES, CheckpointNames)
+    assert public <= set(vars(_NoNames)), "an inherited method would reach the session NO_NAMES does not have"
+    name = str(tmp_path / "epoch=0-step=3.ckpt")
+    with pytest.warns(RuntimeWarning, match=r"no checkpoint of step 3 for .*epoch=0-step=3.ckpt.*only while fitting"):
+        NO_NAMES.plan(3, name)  # e.g. Lightning's save_on_exception during validate(): raising would mask it
+    NO_NAMES.copy(name, str(tmp_path / "last.ckpt"))
+    NO_NAMES.drop(name)
+    assert name not in NO_NAMES and NO_NAMES.submit() == [] and os.listdir(tmp_path) == []
+
+
 def test_sessions_on_one_directory_share_one_engine_and_one_snapshot_per_step(tmp_path):
     first = CheckpointSession.shared(tmp_path, options(engine={"fsync": False}), rank=0, world_size=1,
                                      engine_retention=False)

@@ -12,13 +12,14 @@ the snapshot is requested once (:meth:`~CheckpointNames.submit`), and :meth:`~Ch
 the committed ones, oldest first (:meth:`~CheckpointNames.deciding` does the three around one framework hook).
 Each commit found is reported to the run's :class:`~lazyckpt.policy.RunFeedback` (stats, the "saved" messages that
 waited for it, the loggers) when one is given, and :meth:`~CheckpointNames.finish` reports the run's summary.
-Outside a fit an integration holds :data:`NO_NAMES`, which plans and requests nothing.
+Outside a fit an integration holds :data:`NO_NAMES`, a :class:`CheckpointNames` that plans and requests nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -226,12 +227,28 @@ class CheckpointNames:
             self._session.purge(released=unnamed, protected=protected)
 
 
-class _NoNames:
-    """The names of an integration outside a fit (before its setup, after its close): none is planned, so there is
-    nothing to request, publish, report or close; the framework's hooks call it as they would call the real ones."""
+class _NoNames(CheckpointNames):
+    """The names of an integration outside a fit (before its setup, after its close): there is no session, so
+    nothing is planned, requested, published, reported or closed. It overrides every public method, so the
+    framework's hooks may call it as they call the real ones and none reaches the session it lacks."""
+
+    def __init__(self) -> None:  # no session, on purpose: see the class docstring
+        pass
 
     def __contains__(self, name: str) -> bool:
         return False
+
+    def plan(self, step: int, name: str) -> None:
+        # A framework may still save here, e.g. Lightning's save_on_exception during validate(); raising would
+        # mask the exception being handled, so say that nothing was saved and go on.
+        warnings.warn(f"lazyckpt: no checkpoint of step {step} for {name!r}: checkpoints are saved only while "
+                      "fitting", RuntimeWarning, stacklevel=2)
+
+    def copy(self, name: str, new_name: str) -> None:
+        return None  # no name points anywhere
+
+    def drop(self, name: str) -> None:
+        return None
 
     @contextmanager
     def deciding(self) -> Iterator[None]:
@@ -250,5 +267,5 @@ class _NoNames:
         return None
 
 
-NO_NAMES = _NoNames()
+NO_NAMES: CheckpointNames = _NoNames()
 """What an integration holds in place of its :class:`CheckpointNames` while it is not fitting."""

@@ -1,0 +1,107 @@
+"""A checkpointer's directory: which rank leads it, and what it does to the committed ``step-N`` directories there.
+
+At construction the ranks that share a directory agree on its leader, which clears the leftovers of a crash; only
+the leader renames or deletes in the directory, so ranks sharing it never race. ``latest()`` must be the checkpoint
+of the run that is training now, so a save of a step lower than a committed one is refused or the newer ones are
+moved aside; ``keep_last_k`` removes the oldest after each commit, never one still uploading.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from lazyckpt.config import CheckpointConfig, OnOlderStep
+from lazyckpt.errors import StepOrderError
+from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
+from lazyckpt.housekeeping import move_aside, remove_partials
+from lazyckpt.rendezvous import Rendezvous
+from lazyckpt.retention import committed_steps, steps_to_purge
+from lazyckpt.storage import Storage
+
+if TYPE_CHECKING:
+    from lazyckpt.remote.upload import RemoteLevel
+
+
+def meet_ranks(dirpath: str, storage: Storage, config: CheckpointConfig, store: Any) -> Rendezvous | None:
+    """Without a store, rank 0 clears crash leftovers; with one, the ranks agree who leads each directory (the
+    leader clears them). Returns the rendezvous the ranks commit through, or None."""
+    if config.world_size == 1 or store is None:
+        if config.rank == 0:
+            remove_partials(dirpath, storage)
+        return None
+    return Rendezvous(store, rank=config.rank, world_size=config.world_size, dirpath=dirpath, storage=storage,
+                      timeout_s=config.commit_timeout_s, clear_dir=lambda: remove_partials(dirpath, storage))
+
+
+class CommittedSteps:
+    """The committed steps of one checkpointer's directory, and the changes it makes to them.
+
+    The training thread calls :meth:`check_order` and :meth:`remove`; the commit thread calls :meth:`committed`.
+    """
+
+    def __init__(self, dirpath: str, storage: Storage, config: CheckpointConfig, *,
+                 rendezvous: Rendezvous | None, remote: RemoteLevel | None) -> None:
+        self.dirpath, self.storage, self.config = dirpath, storage, config
+        self._rendezvous = rendezvous
+        self._remote = remote
+        self._newest: int | None = None
+        """Cache of the newest committed step (None: list the directory when next needed)."""
+
+    @property
+    def leads(self) -> bool:
+        """This rank removes, moves and purges in its directory (rank 0, or its directory's leader)."""
+        leader = 0 if self._rendezvous is None else self._rendezvous.leader
+        return self.config.rank == leader
+
+    def check_order(self, step: int) -> None:
+        """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
+        checkpoint of the run that is training now."""
+        if self._newest is not None and step > self._newest:
+            return
+        committed = committed_steps(self.dirpath, self.storage)
+        newer = sorted(s for s in committed if s > step)
+        self._newest = max(committed, default=-1)
+        if not newer:
+            return
+        if self.config.on_older_step is OnOlderStep.ERROR:
+            raise StepOrderError(
+                f"step {step} is lower than the committed step(s) {newer} in {self.dirpath}, which latest() would "
+                "keep returning; to resume from an older checkpoint pass on_older_step='move_aside' (renames the "
+                "newer ones to step-N.superseded) or remove() them first")
+        if self.leads:
+            for newer_step in newer:
+                move_aside(self.dirpath, newer_step, self.storage)
+        self._newest = None
+
+    def remove(self, step: int) -> bool:
+        """Delete the committed checkpoint of ``step``; False if there was none.
+
+        A rename to a ``*.partial`` name comes first, so a crash mid-delete leaves debris the next checkpointer
+        removes, never a half-deleted "committed" checkpoint.
+        """
+        path = os.path.join(self.dirpath, step_dirname(step))
+        if step == self._newest:  # removing an older step leaves the newest as it is
+            self._newest = None
+        doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
+        try:
+            self.storage.rename(path, doomed, sync=False)
+        except FileNotFoundError:
+            return False
+        self.storage.remove_tree(doomed)
+        return True
+
+    def committed(self, step: int) -> None:
+        """Commit thread, once ``step`` is visible (and handed to the remote level): note it as the newest and, on
+        the leading rank, apply ``keep_last_k``."""
+        if self._newest is not None:
+            self._newest = max(self._newest, step)
+        if self.leads:
+            self._purge(step)
+
+    def _purge(self, just_committed: int) -> None:
+        steps = committed_steps(self.dirpath, self.storage)
+        uploading = [s for s in steps if self._remote is not None and self._remote.holds(s)]
+        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,
+                                   protected=uploading):  # purged by a later commit once uploaded
+            self.remove(step)
