@@ -21,7 +21,8 @@ from lazyckpt.sharding import Box, is_dtensor, local_shard, plan_ownership, plan
 _KEPT_STRUCTURES = 4
 """A loop may alternate a few structures (e.g. a model-only save between full ones); more is not a loop."""
 _KEPT_LAYOUTS = 4
-"""Layouts per structure, one per lazy/eager split (it changes when the optimizer state first appears)."""
+"""Layouts per structure, one per lazy/eager split (it changes when a tensor starts or stops sharing storage with
+the optimizers' or the declared immutable tensors, e.g. a save with other ``optimizers=``)."""
 
 
 @dataclass(frozen=True, slots=True)
