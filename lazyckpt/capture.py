@@ -9,7 +9,6 @@ orders after their copy. Everything else (buffers mutated by forward, RNG states
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -23,10 +22,11 @@ from lazyckpt.format import (PARTIAL_SUFFIX, build_header, dcp_sharding_metadata
                              step_dirname, tensor_summary, tensor_table_doc)
 from lazyckpt.job import CheckpointJob, CheckpointStats
 from lazyckpt.plan import Piece, TensorEntry, layout, plan_pieces
-from lazyckpt.sharding import Box, plan_ownership, plan_signature
+from lazyckpt.sharding import Box
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
+from lazyckpt.structure import Structure, StructureCache, plan_structure, structure_of
 
 
 def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],
@@ -79,17 +79,14 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     signature to the other ranks (None: no store); it raises when it met them and their states do not agree.
     """
     tree, leaves, deferred, per_rank = flatten(state)
-    owned = plan_ownership(leaves, per_rank, rank=config.rank, world_size=config.world_size,
-                           coordinated=agree is not None or config.world_size == 1)
+    structure, tensors = _structure(leaves, per_rank, config, coordinated=agree is not None or config.world_size == 1)
     if agree is not None:
-        agree(plan_signature(owned, dtype_name))
+        agree(structure.signature)
     lazy_ids = immutable_storages(optimizers, immutable)
-    tensors = {o.key: o.local for o in owned if o.writes}
-    boxes = {o.key: o.box for o in owned if o.writes}
-    entries = [TensorEntry(key, dtype_name(t.dtype, (key,)), tuple(t.shape), t.numel() * t.element_size(),
-                           lazy=_storage_id(t) in lazy_ids and t.numel() > 0)
-               for key, t in tensors.items()]
-    placed, data_bytes, header, pieces, tables_bytes = _plan(tuple(entries), tuple(boxes.items()), config.world_size)
+    lazy = tuple(_storage_id(t) in lazy_ids and t.numel() > 0 for t in tensors.values())
+    boxes = dict(structure.boxes)
+    placed, data_bytes, header, pieces, tables_bytes = structure.layout(
+        lazy, lambda entries: _plan(entries, boxes, config.world_size))
     needed = len(header) + data_bytes + manifest_bytes(tree, tables_bytes, config.world_size)
     _check_free_space(storage, dirpath, needed + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
@@ -113,17 +110,28 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _plan(entries: tuple[TensorEntry, ...], boxes: tuple[tuple[str, Box | None], ...], world_size: int,
+_STRUCTURES = StructureCache()
+
+
+def _structure(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], config: CheckpointConfig, *,
+               coordinated: bool) -> tuple[Structure, dict[str, torch.Tensor]]:
+    """The plan of this structure (from the cache when it was saved recently) and the tensors this rank writes."""
+    shape = structure_of(leaves, per_rank, rank=config.rank, world_size=config.world_size, coordinated=coordinated)
+    structure = _STRUCTURES.find(shape)
+    tensors = None if structure is None else structure.local_tensors(leaves)
+    if tensors is None:
+        structure, tensors = plan_structure(shape, leaves, per_rank)
+        _STRUCTURES.keep(structure)
+    return structure, tensors
+
+
+def _plan(entries: tuple[TensorEntry, ...], boxes: dict[str, Box | None], world_size: int,
           ) -> tuple[tuple[TensorEntry, ...], int, bytes, tuple[Piece, ...], int]:
-    """Layout, header, pieces and the size of the manifests' tensor tables for a set of tensors. Cached: a
-    training loop checkpoints the same tensors with the same shapes every time, and rebuilding the plan was most
-    of ``save()``'s remaining time."""
+    """Layout, header, pieces and the size of the manifests' tensor tables for a set of tensors."""
     placed, data_bytes = layout(list(entries))
-    offsets = {key: None if box is None else box.offsets for key, box in boxes}
+    offsets = {key: None if box is None else box.offsets for key, box in boxes.items()}
     header = build_header(placed, dcp_sharding_metadata(placed, offsets))
-    return (tuple(placed), data_bytes, header, tuple(plan_pieces(placed)),
-            _tensor_tables_bytes(placed, dict(boxes), world_size))
+    return tuple(placed), data_bytes, header, tuple(plan_pieces(placed)), _tensor_tables_bytes(placed, boxes, world_size)
 
 
 _MANIFEST_OVERHEAD_BYTES = 4096

@@ -66,11 +66,18 @@ class Owned:
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    """Imported once: ``save()`` asks for every leaf, and the import machinery showed up in its profile."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed support
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
 
 
 def shard_of(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box, bool]:
@@ -92,11 +99,16 @@ def shard_of(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box, bool]:
         raise UnsupportedValueError(f"state[{key!r}] is a DTensor on a mesh this rank is not part of; pass only "
                                     "tensors this rank holds")
     local_shape, offsets, replicas, index = where
+    writer = zlib.crc32(key.encode("utf-8")) % replicas
+    return local_shard(tensor, local_shape), Box(tuple(tensor.shape), offsets), index == writer
+
+
+def local_shard(tensor: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of a DTensor's shard of ``local_shape`` on this rank, without the padding some owners add."""
     local = tensor.to_local()
     if tuple(local.shape) != local_shape:  # uneven shards padded by the owner (e.g. FSDP2)
         local = local.narrow(0, 0, local_shape[0]) if local.dim() else local
-    writer = zlib.crc32(key.encode("utf-8")) % replicas
-    return local, Box(tuple(tensor.shape), offsets), index == writer
+    return local
 
 
 @functools.lru_cache(maxsize=4096)

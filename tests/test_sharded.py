@@ -168,3 +168,32 @@ def test_dcp_load_through_the_storage_reader_reshards_bit_exact(tmp_path):
     dirpath, full = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
     run_ranks(_save_once, 4, dirpath, full)
     run_ranks(_reshard_with_dcp, 2, dirpath, full)
+
+
+def _placements_and_per_rank_change_between_saves(rank, world_size, dirpath):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh, full = init_device_mesh("cpu", (world_size,)), torch.arange(24.0).reshape(8, 3)
+    mine = torch.full((3,), float(rank))
+    per_rank_p = {"r": torch.ones(5), "p": lazyckpt.PerRank(mine)}
+    per_rank_r = {"r": lazyckpt.PerRank(torch.full((5,), rank + 10.0)), "p": torch.ones(3)}
+    saves = [  # (placement of "d", the rest of the state, bytes of all ranks' files together): one change a save
+        (Shard(0), per_rank_p, 96 + 20 + 2 * 12),
+        (Replicate(), per_rank_p, 96 + 20 + 2 * 12),
+        (Replicate(), per_rank_r, 96 + 2 * 20 + 12),
+        (Shard(0), per_rank_p, 96 + 20 + 2 * 12),
+    ]
+    with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
+        for number, (placement, rest, total_bytes) in enumerate(saves, 1):
+            d = full + number
+            path = ckpt.save({"d": distribute_tensor(d, mesh, [placement]), **rest}, step=number).wait()
+            loaded = lazyckpt.load(path, rank=rank)
+            assert torch.equal(loaded["d"], d)
+            for key, value in rest.items():
+                assert torch.equal(loaded[key], value.value if isinstance(value, lazyckpt.PerRank) else value), key
+            assert sum(_data_bytes(path, r) for r in range(world_size)) == total_bytes
+
+
+def test_placements_and_per_rank_membership_that_change_between_saves_are_planned_anew(tmp_path):
+    run_ranks(_placements_and_per_rank_change_between_saves, 2, str(tmp_path / "ckpt"))
