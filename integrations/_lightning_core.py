@@ -7,6 +7,7 @@ events into calls on the policy layer (:mod:`lazyckpt.policy`: the session, the 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 import weakref
@@ -25,6 +26,8 @@ from ._lightning_files import LazyFileOperationsMixin
 from ._lightning_io import (EXTRA_KEY, per_rank_extra, request_snapshot, restore_train_rng, route_sharded_loads,
                             trainer_reporter)
 from ._lightning_rollback import LightningRollback
+
+_log = logging.getLogger(__name__)
 
 
 class LazyCheckpointMixin(LazyFileOperationsMixin):
@@ -129,8 +132,12 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         try:
-            super().on_exception(trainer, pl_module, exception)  # save_on_exception
-            self._names.submit()
+            if self.session is not None:  # save_on_exception, while a run is open to save into
+                super().on_exception(trainer, pl_module, exception)
+                self._names.submit()
+            elif getattr(self, "save_on_exception", False):  # e.g. validate() after fit(): ModelCheckpoint would record a save
+                _log.warning("lazyckpt: no checkpoint on %s: checkpoints are saved only while fitting",
+                             type(exception).__name__)
         finally:
             self._close(raise_errors=False)
 

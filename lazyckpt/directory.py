@@ -9,6 +9,7 @@ moved aside; ``keep_last_k`` removes the oldest after each commit, never one sti
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from lazyckpt.config import CheckpointConfig, OnOlderStep
@@ -37,7 +38,8 @@ def meet_ranks(dirpath: str, storage: Storage, config: CheckpointConfig, store: 
 class CommittedSteps:
     """The committed steps of one checkpointer's directory, and the changes it makes to them.
 
-    The training thread calls :meth:`check_order` and :meth:`remove`; the commit thread calls :meth:`committed`.
+    The training thread calls :meth:`check_order` and :meth:`remove`; the commit thread calls :meth:`committed`,
+    which purges through :meth:`remove`. Both threads update the newest-step cache, under one lock.
     """
 
     def __init__(self, dirpath: str, storage: Storage, config: CheckpointConfig, *,
@@ -47,6 +49,8 @@ class CommittedSteps:
         self._remote = remote
         self._newest: int | None = None
         """Cache of the newest committed step (None: list the directory when next needed)."""
+        self._newest_lock = threading.Lock()
+        """Held while the cache is read and refreshed: a commit landing during a listing must not be lost."""
 
     @property
     def leads(self) -> bool:
@@ -57,11 +61,12 @@ class CommittedSteps:
     def check_order(self, step: int) -> None:
         """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
         checkpoint of the run that is training now."""
-        if self._newest is not None and step > self._newest:
-            return
-        committed = committed_steps(self.dirpath, self.storage)
-        newer = sorted(s for s in committed if s > step)
-        self._newest = max(committed, default=-1)
+        with self._newest_lock:
+            if self._newest is not None and step > self._newest:
+                return
+            committed = committed_steps(self.dirpath, self.storage)
+            newer = sorted(s for s in committed if s > step)
+            self._newest = max(committed, default=-1)
         if not newer:
             return
         if self.config.on_older_step is OnOlderStep.ERROR:
@@ -72,7 +77,8 @@ class CommittedSteps:
         if self.leads:
             for newer_step in newer:
                 move_aside(self.dirpath, newer_step, self.storage)
-        self._newest = None
+        with self._newest_lock:
+            self._newest = None
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint of ``step``; False if there was none.
@@ -81,8 +87,9 @@ class CommittedSteps:
         removes, never a half-deleted "committed" checkpoint.
         """
         path = os.path.join(self.dirpath, step_dirname(step))
-        if step == self._newest:  # removing an older step leaves the newest as it is
-            self._newest = None
+        with self._newest_lock:
+            if step == self._newest:  # removing an older step leaves the newest as it is
+                self._newest = None
         doomed = os.path.join(self.dirpath, f".purge-{step_dirname(step)}{PARTIAL_SUFFIX}")
         try:
             self.storage.rename(path, doomed, sync=False)
@@ -92,10 +99,11 @@ class CommittedSteps:
         return True
 
     def committed(self, step: int) -> None:
-        """Commit thread, once ``step`` is visible (and handed to the remote level): note it as the newest and, on
-        the leading rank, apply ``keep_last_k``."""
-        if self._newest is not None:
-            self._newest = max(self._newest, step)
+        """Commit thread, once ``step`` is visible: note it as the newest and, on the leading rank, apply
+        ``keep_last_k`` (never to a step the remote level still uploads)."""
+        with self._newest_lock:
+            if self._newest is not None:
+                self._newest = max(self._newest, step)
         if self.leads:
             self._purge(step)
 

@@ -378,12 +378,12 @@ class LazyCheckpointer:
         self.stats.append(job.stats)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
-        if self.remote is not None:
-            self.remote.submit(job.step, job.final_dir)
-        try:
+        try:  # before the remote hand-over, which may raise: the newest step is noted whatever happens there
             self._steps.committed(job.step)
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
+        if self.remote is not None:
+            self.remote.submit(job.step, job.final_dir)
 
     def __del__(self) -> None:
         try:

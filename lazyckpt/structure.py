@@ -79,15 +79,17 @@ def structure_of(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *, 
                  coordinated: bool) -> tuple:
     """Everything ownership and layout depend on, compared with ``==`` at every save.
 
-    Meshes and placements are compared as objects: a training loop hands the same ones every time, so the
-    comparison is mostly identity checks, and two equal ones plan alike anyway.
+    Meshes and placements are compared as objects (placements with their exact types): a training loop hands the
+    same ones every time, so the comparison is mostly identity checks, and two equal ones plan alike anyway.
     """
     return (rank, world_size, coordinated, frozenset(per_rank), tuple(_leaf_shape(k, t) for k, t in leaves))
 
 
 def _leaf_shape(key: str, tensor: torch.Tensor) -> tuple:
     if is_dtensor(tensor):
-        return key, tensor.dtype, tensor.shape, tensor.device_mesh, tensor.placements
+        # With their types: torch lets some placement subclasses (_StridedShard) compare equal to their base,
+        # and the two place a shard at different offsets.
+        return key, tensor.dtype, tensor.shape, tensor.device_mesh, tuple((type(p), p) for p in tensor.placements)
     return key, tensor.dtype, tensor.shape, None, None
 
 
@@ -106,14 +108,17 @@ def plan_structure(shape: tuple, leaves: list[tuple[str, torch.Tensor]], per_ran
 
 
 class StructureCache:
-    """The few structures saved most recently, newest first."""
+    """The few structures saved most recently, the last one saved first (a hit moves to the front, so the
+    structure a loop saves every time stays however many one-off structures come between)."""
 
     def __init__(self) -> None:
         self._kept: list[Structure] = []
 
     def find(self, shape: tuple) -> Structure | None:
-        for structure in self._kept:
+        for index, structure in enumerate(self._kept):
             if structure.shape == shape:
+                if index:
+                    self._kept = [structure, *self._kept[:index], *self._kept[index + 1:]]
                 return structure
         return None
 

@@ -81,3 +81,18 @@ def test_optimizer_state_that_appears_at_the_first_step_is_saved_and_lazy(tmp_pa
         after = _save_and_check(ckpt, snapshot(model, opt), 2, optimizers=[opt])
     moments = {k: v for k, v in after.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
     assert len(moments) == 4 and set(moments.values()) == {"lazy"}
+
+
+def test_the_structure_saved_every_time_stays_cached_through_one_off_structures():
+    from lazyckpt.structure import _KEPT_STRUCTURES, Structure, StructureCache
+
+    def planned(shape) -> Structure:
+        return Structure(shape, (), {}, signature=str(shape))
+
+    cache, every_time = StructureCache(), planned(("every time",))
+    cache.keep(every_time)
+    for one_off in range(2 * _KEPT_STRUCTURES):  # the loop's own save between one-off saves of other structures
+        assert cache.find(("every time",)) is every_time
+        assert cache.find(("one-off", one_off)) is None
+        cache.keep(planned(("one-off", one_off)))
+    assert cache.find(("every time",)) is every_time

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -239,10 +238,10 @@ class _NoNames(CheckpointNames):
         return False
 
     def plan(self, step: int, name: str) -> None:
-        # A framework may still save here, e.g. Lightning's save_on_exception during validate(); raising would
-        # mask the exception being handled, so say that nothing was saved and go on.
-        warnings.warn(f"lazyckpt: no checkpoint of step {step} for {name!r}: checkpoints are saved only while "
-                      "fitting", RuntimeWarning, stacklevel=2)
+        # A framework may still try to save here; raising (or a warning turned into an error) could mask an
+        # exception being handled, so log that nothing was saved and go on.
+        logger.warning("lazyckpt: no checkpoint of step %d for %r: checkpoints are saved only while fitting",
+                       step, name)
 
     def copy(self, name: str, new_name: str) -> None:
         return None  # no name points anywhere
