@@ -228,7 +228,9 @@ def fork_server(workload: Workload, malloc_mmap_threshold: int | None = None) ->
     path = os.pathsep.join(p for p in (HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)
     os.environ.update(OMP_NUM_THREADS=str(workload.threads), MKL_NUM_THREADS=str(workload.threads),
                       PYTHONWARNINGS="ignore", PYTHONPATH=path, **{PRELOAD_ENV: ",".join(modules)})
-    if malloc_mmap_threshold is not None:
+    if malloc_mmap_threshold is None:  # unset means glibc's default, whatever the caller's environment holds
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
     server = multiprocessing.get_context("forkserver")
     server.set_forkserver_preload(["runner"])
