@@ -187,3 +187,16 @@ def test_malloc_mmap_threshold_is_set_for_the_fork_server_only_when_asked(monkey
     args = compare.parse_args(["--quick", "--malloc-mmap-threshold", "1048576"])
     compare.fork_server(Workload(), args.malloc_mmap_threshold)
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+
+
+@pytest.mark.slow
+def test_stall_parts_times_every_part_on_every_rank():
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "stall_parts.py"), "--world-size", "2", "--saves", "1",
+                           "--params-m", "0.3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"]
+    for line in lines:
+        medians = json.loads(line.split("median ms ", 1)[1])
+        assert set(medians) == {"get_state_dict", "lazy_save", "lazy_wait_staged", "dcp_async_save",
+                                "dcp_staging_wait"} and all(v >= 0 for v in medians.values())
