@@ -213,6 +213,11 @@ def run_one(server: Any, key: str, repeat: int, workload: Workload, root: str, r
     return result
 
 
+def allocator_env() -> dict[str, str]:
+    """The glibc allocator settings every run started with (peak RSS depends on them; the JSON records them)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
+
+
 def fork_server(workload: Workload, malloc_mmap_threshold: int | None = None) -> Any:
     """A multiprocessing context whose fork server imported torch and the plain-loop checkpoint libraries (with
     glibc's mmap threshold pinned when given: glibc reads it when the server starts, and every run forks from it)."""
@@ -339,6 +344,7 @@ def _benchmark(args, workload, keys, root, methods, baseline_for, make_reference
     config = {**workload.describe(), "repeats": args.repeats, "methods": keys, "quick": args.quick,
               "parameters": n_params, "state_bytes": nbytes, "foreign_engine_files": foreign,
               "command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]),
+              "allocator_env": allocator_env(),
               "wall_s": round(time.monotonic() - started, 1), "loadavg_at_end": os.getloadavg()}
     publish(args, machine, config, runs, methods, baseline_for)
     log(f"total {time.monotonic() - started:.0f}s")

@@ -17,12 +17,16 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# The checkout this script sits in, not whichever lazyckpt is installed (the ranks inherit this path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PARTS = ("get_state_dict", "lazy_save", "lazy_wait_staged", "dcp_async_save", "dcp_staging_wait")
 

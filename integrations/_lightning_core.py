@@ -135,11 +135,16 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             if self.session is not None:  # save_on_exception, while a run is open to save into
                 super().on_exception(trainer, pl_module, exception)
                 self._names.submit()
-            elif getattr(self, "save_on_exception", False):  # e.g. validate() after fit(): ModelCheckpoint would record a save
-                _log.warning("lazyckpt: no checkpoint on %s: checkpoints are saved only while fitting",
-                             type(exception).__name__)
+            elif self._would_save_on_exception(trainer):  # e.g. validate() after fit(): it would record a save
+                _log.warning("lazyckpt: no checkpoint on %s: no lazyckpt session is open (saves happen only inside "
+                             "fit())", type(exception).__name__)
         finally:
             self._close(raise_errors=False)
+
+    def _would_save_on_exception(self, trainer: Any) -> bool:
+        should = getattr(self, "_should_save_on_exception", None)  # ModelCheckpoint's own test (private)
+        saves = should(trainer) if callable(should) else getattr(self, "save_on_exception", False)
+        return bool(saves) and trainer.is_global_zero
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -38,8 +38,8 @@ def meet_ranks(dirpath: str, storage: Storage, config: CheckpointConfig, store: 
 class CommittedSteps:
     """The committed steps of one checkpointer's directory, and the changes it makes to them.
 
-    The training thread calls :meth:`check_order` and :meth:`remove`; the commit thread calls :meth:`committed`,
-    which purges through :meth:`remove`. Both threads update the newest-step cache, under one lock.
+    The training thread calls :meth:`check_order` and :meth:`remove`; the commit thread calls
+    :meth:`note_committed` and :meth:`purge`, which removes through :meth:`remove`. Both threads update the newest-step cache, under one lock.
     """
 
     def __init__(self, dirpath: str, storage: Storage, config: CheckpointConfig, *,
@@ -98,16 +98,17 @@ class CommittedSteps:
         self.storage.remove_tree(doomed)
         return True
 
-    def committed(self, step: int) -> None:
-        """Commit thread, once ``step`` is visible: note it as the newest and, on the leading rank, apply
-        ``keep_last_k`` (never to a step the remote level still uploads)."""
+    def note_committed(self, step: int) -> None:
+        """Commit thread, once ``step`` is visible: it is the newest now."""
         with self._newest_lock:
             if self._newest is not None:
                 self._newest = max(self._newest, step)
-        if self.leads:
-            self._purge(step)
 
-    def _purge(self, just_committed: int) -> None:
+    def purge(self, just_committed: int) -> None:
+        """Commit thread, after the new step went to the remote level: on the leading rank, apply ``keep_last_k``
+        (never to a step the remote level still uploads)."""
+        if not self.leads:
+            return
         steps = committed_steps(self.dirpath, self.storage)
         uploading = [s for s in steps if self._remote is not None and self._remote.holds(s)]
         for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,

@@ -378,12 +378,13 @@ class LazyCheckpointer:
         self.stats.append(job.stats)
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
-        try:  # before the remote hand-over, which may raise: the newest step is noted whatever happens there
-            self._steps.committed(job.step)
+        self._steps.note_committed(job.step)
+        if self.remote is not None:  # before the clean-up: the upload need not wait for old steps' removal
+            self.remote.submit(job.step, job.final_dir)
+        try:
+            self._steps.purge(job.step)
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             logger.warning("lazyckpt: keep_last_k clean-up after step %d failed: %r", job.step, e)
-        if self.remote is not None:
-            self.remote.submit(job.step, job.final_dir)
 
     def __del__(self) -> None:
         try:

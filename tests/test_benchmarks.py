@@ -187,6 +187,7 @@ def test_malloc_mmap_threshold_is_set_for_the_fork_server_only_when_asked(monkey
     args = compare.parse_args(["--quick", "--malloc-mmap-threshold", "1048576"])
     compare.fork_server(Workload(), args.malloc_mmap_threshold)
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+    assert compare.allocator_env()["MALLOC_MMAP_THRESHOLD_"] == "1048576"  # what the JSON's config records
 
 
 @pytest.mark.slow
