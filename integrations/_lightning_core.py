@@ -142,9 +142,14 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             self._close(raise_errors=False)
 
     def _would_save_on_exception(self, trainer: Any) -> bool:
-        should = getattr(self, "_should_save_on_exception", None)  # ModelCheckpoint's own test (private)
-        saves = should(trainer) if callable(should) else getattr(self, "save_on_exception", False)
-        return bool(saves) and trainer.is_global_zero
+        """Whether ModelCheckpoint would save here, asked without letting a failure of the question mask the
+        exception being handled (its test is private API)."""
+        try:
+            should = getattr(self, "_should_save_on_exception", None)
+            saves = should(trainer) if callable(should) else getattr(self, "save_on_exception", False)
+            return bool(saves) and trainer.is_global_zero
+        except Exception:  # noqa: BLE001 - only decides whether to log
+            return False
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
