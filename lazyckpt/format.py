@@ -12,7 +12,7 @@ import torch
 
 from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES
 from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
-from lazyckpt.plan import TensorEntry
+from lazyckpt.plan import PAGE_BYTES, TensorEntry
 
 FORMAT_NAME = "lazyckpt"
 FORMAT_VERSION = 3
@@ -23,7 +23,7 @@ Versions 1 and 2 stay readable."""
 READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
-HEADER_ALIGN = 4096
+HEADER_ALIGN = PAGE_BYTES
 """The data section starts on a 4 KiB boundary (header padded with spaces), ready for direct I/O."""
 MAX_HEADER_BYTES = 100 << 20
 """safetensors' own cap on the JSON header."""

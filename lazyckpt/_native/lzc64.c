@@ -23,13 +23,18 @@ static const uint64_t M1 = 0xBF58476D1CE4E5B9ULL;
 #define VECTOR_CLONES
 #endif
 
+/* One word's term of the sum: the word at 0-based position `index` of its chunk. */
+static inline uint64_t mix(uint64_t word, uint64_t index) {
+    uint64_t x = (word ^ ((index + 1) * K1)) * M1;
+    return x ^ (x >> SHIFT);
+}
+
 VECTOR_CLONES static uint64_t mix_words(const unsigned char *src, Py_ssize_t nwords, uint64_t first) {
     uint64_t total = 0;
     for (Py_ssize_t i = 0; i < nwords; i++) {
         uint64_t word;
         memcpy(&word, src + 8 * i, 8);
-        uint64_t x = (word ^ ((first + (uint64_t)i + 1) * K1)) * M1;
-        total += x ^ (x >> SHIFT);
+        total += mix(word, first + (uint64_t)i);
     }
     return total;
 }
@@ -40,8 +45,7 @@ VECTOR_CLONES static uint64_t copy_mix_words(unsigned char *dst, const unsigned 
         uint64_t word;
         memcpy(&word, src + 8 * i, 8);
         memcpy(dst + 8 * i, &word, 8);
-        uint64_t x = (word ^ ((first + (uint64_t)i + 1) * K1)) * M1;
-        total += x ^ (x >> SHIFT);
+        total += mix(word, first + (uint64_t)i);
     }
     return total;
 }

@@ -16,10 +16,11 @@ import queue
 
 import numpy as np
 
+from lazyckpt.plan import PAGE_BYTES
 from lazyckpt.threads import WRITER_NICE, start_background_thread
 
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_ALIGN = 4096
+_ALIGN = PAGE_BYTES  # O_DIRECT's block: the pool's slots and the layout's data section share it
 _BOUNCE_BYTES = 8 << 20
 _IN_FLIGHT = 2
 
