@@ -26,7 +26,7 @@ from lazyckpt.sharding import Box
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
-from lazyckpt.structure import Structure, StructureCache, plan_structure, structure_of
+from lazyckpt.structure import StructureCache
 
 
 def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],
@@ -79,12 +79,13 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     signature to the other ranks (None: no store); it raises when it met them and their states do not agree.
     """
     tree, leaves, deferred, per_rank = flatten(state)
-    structure, tensors = _structure(leaves, per_rank, config, coordinated=agree is not None or config.world_size == 1)
+    structure, tensors = _STRUCTURES.get(leaves, per_rank, rank=config.rank, world_size=config.world_size,
+                                         coordinated=agree is not None or config.world_size == 1)
     if agree is not None:
         agree(structure.signature)
     lazy_ids = immutable_storages(optimizers, immutable)
     lazy = tuple(_storage_id(t) in lazy_ids and t.numel() > 0 for t in tensors.values())
-    boxes = dict(structure.boxes)
+    boxes = structure.boxes  # shared with every job of this structure: read only (the commit's tensor table)
     placed, data_bytes, header, pieces, tables_bytes = structure.layout(
         lazy, lambda entries: _plan(entries, boxes, config.world_size))
     needed = len(header) + data_bytes + manifest_bytes(tree, tables_bytes, config.world_size)
@@ -111,18 +112,7 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
 
 
 _STRUCTURES = StructureCache()
-
-
-def _structure(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], config: CheckpointConfig, *,
-               coordinated: bool) -> tuple[Structure, dict[str, torch.Tensor]]:
-    """The plan of this structure (from the cache when it was saved recently) and the tensors this rank writes."""
-    shape = structure_of(leaves, per_rank, rank=config.rank, world_size=config.world_size, coordinated=coordinated)
-    structure = _STRUCTURES.find(shape)
-    tensors = None if structure is None else structure.local_tensors(leaves)
-    if tensors is None:
-        structure, tensors = plan_structure(shape, leaves, per_rank)
-        _STRUCTURES.keep(structure)
-    return structure, tensors
+"""The structures saved recently in this process (keyed by rank and world size too, so checkpointers share it)."""
 
 
 def _plan(entries: tuple[TensorEntry, ...], boxes: dict[str, Box | None], world_size: int,

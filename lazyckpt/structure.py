@@ -8,6 +8,7 @@ read at every save: the tensors themselves (their storages and versions) and whi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,13 +67,9 @@ class Structure:
         if found is None:
             if len(self.layouts) >= _KEPT_LAYOUTS:
                 self.layouts.clear()
-            entries = tuple(_with_lazy(w.entry, is_lazy) for w, is_lazy in zip(self.written, lazy))
+            entries = tuple(dataclasses.replace(w.entry, lazy=is_lazy) for w, is_lazy in zip(self.written, lazy))
             found = self.layouts[lazy] = build(entries)
         return found
-
-
-def _with_lazy(entry: TensorEntry, lazy: bool) -> TensorEntry:
-    return TensorEntry(entry.key, entry.dtype, entry.shape, entry.nbytes, lazy=lazy)
 
 
 def structure_of(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *, rank: int, world_size: int,
@@ -93,11 +90,10 @@ def _leaf_shape(key: str, tensor: torch.Tensor) -> tuple:
     return key, tensor.dtype, tensor.shape, None, None
 
 
-def plan_structure(shape: tuple, leaves: list[tuple[str, torch.Tensor]], per_rank: set[str],
-                   ) -> tuple[Structure, dict[str, torch.Tensor]]:
-    """Plan one structure from scratch, and the tensors this rank writes (raises what :func:`plan_ownership` and
-    ``dtype_name`` raise)."""
-    rank, world_size, coordinated = shape[:3]
+def plan_structure(shape: tuple, leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *, rank: int,
+                   world_size: int, coordinated: bool) -> tuple[Structure, dict[str, torch.Tensor]]:
+    """Plan one structure (``shape`` is its :func:`structure_of`) from scratch, and the tensors this rank writes
+    (raises what :func:`plan_ownership` and ``dtype_name`` raise)."""
     owned = plan_ownership(leaves, per_rank, rank=rank, world_size=world_size, coordinated=coordinated)
     written = tuple(
         Written(index, TensorEntry(o.key, dtype_name(o.local.dtype, (o.key,)), tuple(o.local.shape),
@@ -113,6 +109,19 @@ class StructureCache:
 
     def __init__(self) -> None:
         self._kept: list[Structure] = []
+
+    def get(self, leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *, rank: int, world_size: int,
+            coordinated: bool) -> tuple[Structure, dict[str, torch.Tensor]]:
+        """The plan of this structure (from the cache when it was saved recently) and the tensors this rank
+        writes."""
+        shape = structure_of(leaves, per_rank, rank=rank, world_size=world_size, coordinated=coordinated)
+        structure = self.find(shape)
+        tensors = None if structure is None else structure.local_tensors(leaves)
+        if tensors is None:
+            structure, tensors = plan_structure(shape, leaves, per_rank, rank=rank, world_size=world_size,
+                                                coordinated=coordinated)
+            self.keep(structure)
+        return structure, tensors
 
     def find(self, shape: tuple) -> Structure | None:
         for index, structure in enumerate(self._kept):
