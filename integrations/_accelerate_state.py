@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.policy import (CheckpointSession, ResumedRng, RunLayout, UpdateLoop, capture_rng, check_fits,
-                             find_generators)
+from lazyckpt.policy import (CheckpointSession, RunLayout, UpdateLoop, capture_rng, check_fits, find_generators,
+                             restore_rng)
 from lazyckpt.remote.urls import options_for
 
 from . import _accelerate_sharded as sharded
@@ -207,7 +207,8 @@ class PreparedRun:
                 dl.iteration = saved["iteration"]
             if saved["state"] is not None:
                 dl.load_state_dict(saved["state"])
-        ResumedRng(own).restore(self.generators)  # none saved (a process new to the run): keeps its RNG states
+        if own.get("rng") is not None:  # none saved (a process new to the run): it keeps its RNG states
+            restore_rng(own["rng"], self.generators())
         self.accelerator.step = own["accelerator_step"]
 
     def restore_replicated(self, shared: dict[str, Any]) -> None:

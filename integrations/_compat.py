@@ -87,6 +87,18 @@ def record_saved(callback: Any, step: int, filepath: str) -> None:
     callback._last_checkpoint_saved = filepath
 
 
+def would_save_on_exception(callback: Any, trainer: Any) -> bool:
+    """Whether ``ModelCheckpoint.on_exception`` would save here (rank 0 only), by its private
+    ``_should_save_on_exception`` where it exists: asked when no lazyckpt session is open, to say that no checkpoint
+    was made. A failure of the question never masks the exception being handled."""
+    try:
+        should = getattr(callback, "_should_save_on_exception", None)
+        saves = should(trainer) if callable(should) else getattr(callback, "save_on_exception", False)
+        return bool(saves) and trainer.is_global_zero
+    except Exception:  # noqa: BLE001 - only decides whether to log
+        return False
+
+
 def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
     """The dict ``trainer.save_checkpoint`` would write (every callback's ``on_save_checkpoint`` included), without
     writing it: the public method always hands it to the CheckpointIO synchronously."""

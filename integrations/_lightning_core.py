@@ -135,21 +135,11 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             if self.session is not None:  # save_on_exception, while a run is open to save into
                 super().on_exception(trainer, pl_module, exception)
                 self._names.submit()
-            elif self._would_save_on_exception(trainer):  # e.g. validate() after fit(): it would record a save
+            elif _compat.would_save_on_exception(self, trainer):  # e.g. validate() after fit(): it would record a save
                 _log.warning("lazyckpt: no checkpoint on %s: no lazyckpt session is open (saves happen only inside "
                              "fit())", type(exception).__name__)
         finally:
             self._close(raise_errors=False)
-
-    def _would_save_on_exception(self, trainer: Any) -> bool:
-        """Whether ModelCheckpoint would save here, asked without letting a failure of the question mask the
-        exception being handled (its test is private API)."""
-        try:
-            should = getattr(self, "_should_save_on_exception", None)
-            saves = should(trainer) if callable(should) else getattr(self, "save_on_exception", False)
-            return bool(saves) and trainer.is_global_zero
-        except Exception:  # noqa: BLE001 - only decides whether to log
-            return False
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

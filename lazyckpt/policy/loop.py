@@ -121,7 +121,10 @@ class UpdateLoop(Generic[C]):
     def roll_back(self) -> int | None:
         """Undo the bad update (:meth:`bad_step`) with the ``rollback`` given to :meth:`start`; returns the step
         restored, or None when there is none."""
-        return self.rolled_back(self._rollback.roll_back(self.bad_step()))
+        step = self._rollback.roll_back(self.bad_step())
+        if step is not None:
+            self.stepped = False
+        return step
 
     def bad_step(self) -> int:
         """The update a rollback now undoes: the one just made (its request is dropped, never issued), or the
@@ -129,12 +132,6 @@ class UpdateLoop(Generic[C]):
         bad = self.step if self.stepped else self.step + 1
         self.requests.drop(bad)
         return bad
-
-    def rolled_back(self, step: int | None) -> int | None:
-        """Note a rollback to ``step`` (None: there was nothing to roll back to); returns ``step``."""
-        if step is not None:
-            self.stepped = False
-        return step
 
     def resumed(self, step: int, path: str) -> None:
         """Count on from ``step``, restored from the committed checkpoint at ``path`` (the new rollback start)."""

@@ -64,15 +64,10 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
 
 class ResumedRng:
     """The RNG state a loaded checkpoint carries, kept from the load until the run can restore it (a framework may
-    load the checkpoint before it creates the loaders whose generators it restores), then restored once.
+    load the checkpoint before it creates the loaders whose generators it restores), then restored once."""
 
-    Args:
-        extra: a checkpoint's per-rank values, if loaded already (:meth:`loaded`).
-    """
-
-    def __init__(self, extra: Any = None) -> None:
+    def __init__(self) -> None:
         self._state: dict[str, Any] | None = None
-        self.loaded(extra)
 
     def loaded(self, extra: Any) -> None:
         """Keep the ``"rng"`` entry of a checkpoint's per-rank extra (a checkpoint without one: nothing to restore)."""
