@@ -213,6 +213,12 @@ def run_one(server: Any, key: str, repeat: int, workload: Workload, root: str, r
     return result
 
 
+def run_facts(started: float) -> dict[str, Any]:
+    """What every run's JSON config records about how it ran: the command, the allocator, time and load."""
+    return {"command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]), "allocator_env": allocator_env(),
+            "wall_s": round(time.monotonic() - started, 1), "loadavg_at_end": os.getloadavg()}
+
+
 def allocator_env() -> dict[str, str]:
     """The glibc allocator settings every run started with (peak RSS depends on them; the JSON records them)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}
@@ -343,9 +349,7 @@ def _benchmark(args, workload, keys, root, methods, baseline_for, make_reference
         log(f"WARNING: some runs imported lazyckpt from outside this checkout: {foreign}")
     config = {**workload.describe(), "repeats": args.repeats, "methods": keys, "quick": args.quick,
               "parameters": n_params, "state_bytes": nbytes, "foreign_engine_files": foreign,
-              "command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]),
-              "allocator_env": allocator_env(),
-              "wall_s": round(time.monotonic() - started, 1), "loadavg_at_end": os.getloadavg()}
+              **run_facts(started)}
     publish(args, machine, config, runs, methods, baseline_for)
     log(f"total {time.monotonic() - started:.0f}s")
     return 0

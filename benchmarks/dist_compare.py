@@ -268,7 +268,7 @@ def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[li
 
 def main(args: Any, machine_info: Any) -> int:
     """``compare.py --world-size N``: run, print the table and the targets, write ``--json``."""
-    from compare import allocator_env, emit, fork_server, work_root, workload_of
+    from compare import emit, fork_server, run_facts, work_root, workload_of
     from dist_methods import DIST_BASELINE_FOR, DIST_METHODS
 
     workload = workload_of(args)
@@ -284,8 +284,7 @@ def main(args: Any, machine_info: Any) -> int:
     entries = aggregate([DIST_METHODS[k] for k in DIST_METHODS if k in keys], runs, DIST_BASELINE_FOR)
     targets = check_targets(entries)
     config = {**workload.describe(), "world_size": args.world_size, "repeats": args.repeats, "methods": keys,
-              "command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]),
-              "allocator_env": allocator_env(), "wall_s": round(time.monotonic() - started, 1), "loadavg_at_end": os.getloadavg()}
+              **run_facts(started)}
     emit(args, f"{args.world_size} ranks x {workload.threads} thread(s), {args.params_m:g}M parameters; checkpoint "
          f"every {workload.every} steps; worst rank, median (min–max) over {args.repeats} repeat(s)",
          markdown_table(entries), targets, entries,

@@ -67,6 +67,12 @@ class NoCheckpointDdp(Parallel, NoCheckpoint):
     key, label, driver = "none_ddp", "no checkpoint (DDP)", "ddp"
 
 
+def dcp_upload_group() -> Any:
+    """A gloo group for DCP's upload thread, as TorchTitan does: on the training group its collectives would
+    interleave with FSDP's and hang both."""
+    return dist.new_group(backend="gloo")
+
+
 class DcpStagerFsdp(Parallel, DcpStager):
     """``dcp.async_save`` + ``DefaultStager`` on every rank, staging awaited before the next optimizer step."""
 
@@ -74,9 +80,7 @@ class DcpStagerFsdp(Parallel, DcpStager):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        # The upload thread's collectives get a group of their own, as TorchTitan does: on the training group
-        # they would interleave with FSDP's collectives and hang both.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dcp_upload_group()
 
     def _save(self, step: int, **kwargs: Any) -> Any:
         return super()._save(step, process_group=self.group, **kwargs)

@@ -2,7 +2,8 @@
 # Every GPU check in one run, for a machine with CUDA, torch and triton already installed (no downloads):
 # build lazyckpt in place (its C checksum loop included), run the tests marked `gpu`, then benchmarks/gpu_copy.py.
 # Usage: bash benchmarks/gpu_checks.sh OUTDIR [BUDGET_S]   (BUDGET_S: seconds for gpu_copy.py's sweeps, default 300)
-# Everything is written under OUTDIR (test log, gpu_copy.json, gpu_copy.log); each step runs even if one fails.
+# Everything is written under OUTDIR (test log, gpu_copy.json, gpu_copy.log). A failed build stops the run; after
+# it, each step runs even if the one before failed.
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUTDIR [BUDGET_S]}
 budget=${2:-300}

@@ -196,6 +196,15 @@ class DcpThread(Method):
                                  "param_groups": opt_sd["param_groups"]}}
 
 
+def default_stager(*, cuda: bool) -> Any:
+    """DCP's ``DefaultStager`` as the peers' docs suggest: async staging into cached host storage, pinned and
+    non-blocking only with CUDA."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=cuda))
+
+
 class DcpStager(DcpThread):
     """``dcp.async_save`` + ``DefaultStager`` (async staging into cached host storage; pinned and non-blocking
     only with CUDA), with ``staging_completion`` awaited right before the next ``optimizer.step()``."""
@@ -204,11 +213,7 @@ class DcpStager(DcpThread):
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=cuda))
+        self.stager = default_stager(cuda=torch.cuda.is_available())
         self.staging = None
 
     def request(self, step: int) -> None:

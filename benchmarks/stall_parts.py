@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,11 +32,11 @@ PARTS = ("get_state_dict", "lazy_save", "lazy_wait_staged", "dcp_async_save", "d
 
 def one_rank(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import lazyckpt
-    from dist_methods import Parallel
+    from dist_methods import Parallel, dcp_upload_group
+    from methods import default_stager
     from workload import Batches, Workload, build_model, lm_loss, make_optimizer
 
     torch.set_num_threads(1)
@@ -46,9 +45,7 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
     model = Parallel().wrap(build_model(w))
     opt, data = make_optimizer(w, model.parameters()), Batches(w)
     ckpt = lazyckpt.LazyCheckpointer(os.path.join(root, "lazy"), fsync=True)
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
-                                          use_non_blocking_copy=False))
-    upload_group = dist.new_group(backend="gloo")  # DCP's upload collectives off the training group (TorchTitan)
+    stager, upload_group = default_stager(cuda=False), dcp_upload_group()
     times: dict[str, list[float]] = {part: [] for part in PARTS}
 
     def train_step(step: int) -> None:
@@ -67,26 +64,23 @@ def one_rank(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
         measured = step > 2  # the first save of each kind plans and allocates
         if step % 2 == 0:
             pending = ckpt.save({"model": msd, "optim": osd, "step": step}, step=step, optimizers=[opt])
-            returned = time.perf_counter()
-            train_step(step)
-            before_wait = time.perf_counter()
-            ckpt.wait_staged()
-            parts = ("lazy_save", "lazy_wait_staged")
+            staged, durable, parts = ckpt.wait_staged, pending.wait, ("lazy_save", "lazy_wait_staged")
         else:
             future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"dcp-{step}"),
                                     async_stager=stager, process_group=upload_group)
-            returned = time.perf_counter()
-            train_step(step)
-            before_wait = time.perf_counter()
-            future.staging_completion.result()
+            staged, durable = future.staging_completion.result, future.upload_completion.result
             parts = ("dcp_async_save", "dcp_staging_wait")
+        returned = time.perf_counter()
+        train_step(step)
+        before_wait = time.perf_counter()
+        staged()
         waited = time.perf_counter()
         update()
         if measured:
             times["get_state_dict"].append(requested - started)
             times[parts[0]].append(returned - requested)
             times[parts[1]].append(waited - before_wait)
-        pending.wait() if step % 2 == 0 else future.upload_completion.result()  # one checkpoint at a time
+        durable()  # one checkpoint at a time
     ckpt.close()
     stager.close()
     medians = {part: round(1e3 * statistics.median(v), 2) for part, v in times.items() if v}
@@ -100,9 +94,9 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=6, help="measured saves of each kind per rank")
     parser.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dist_compare import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="lazyckpt-stall-parts-") as root:
         mp.spawn(one_rank, args=(args, port, root), nprocs=args.world_size)
 
