@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazyckpt.policy import CheckpointSession, NothingToRollBackTo, Restored, RollbackPolicy
+from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
+from lazyckpt.errors import NothingToRollBackTo
 
 from ._accelerate_state import PreparedRun
 

@@ -16,9 +16,10 @@ from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy, OnOlderStep
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, CheckpointFormatError,
-                             CheckpointMismatchError, CheckpointNotFoundError, DirectoryLockedError,
-                             RollbackLimitError, SnapshotConsistencyError, StepAlreadyCommittedError,
-                             StepOrderError, UnsupportedValueError)
+                             CheckpointMismatchError, CheckpointNotFoundError, CommitAbandoned, DirectoryLockedError,
+                             NothingToRollBackTo, RemoteUnreachableError, RollbackLimitError,
+                             SnapshotConsistencyError, StepAlreadyCommittedError, StepOrderError,
+                             UnsupportedValueError)
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
@@ -46,7 +47,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = sorted([
     "CheckpointConfig", "CheckpointCorruptError", "CheckpointDiscardedError", "CheckpointFormatError",
-    "CheckpointMismatchError", "CheckpointNotFoundError", "RollbackLimitError", "RollbackPolicy", "is_nonfinite",
+    "CheckpointMismatchError", "CheckpointNotFoundError", "CommitAbandoned", "NothingToRollBackTo",
+    "RemoteUnreachableError", "RollbackLimitError", "RollbackPolicy", "is_nonfinite",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "PerRank", "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",

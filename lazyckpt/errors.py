@@ -1,4 +1,5 @@
-"""The few exceptions lazyckpt raises; each subclasses the builtin it refines."""
+"""Every exception lazyckpt defines; each subclasses the builtin it refines. Those a user can meet are exported from
+``lazyckpt``; :class:`IllegalTransitionError` only ever means a bug in lazyckpt."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ class CheckpointDiscardedError(RuntimeError):
 
 class RollbackLimitError(RuntimeError):
     """The loss stayed non-finite through more rollbacks in a row than ``max_rollbacks`` allows."""
+
+
+class NothingToRollBackTo(LookupError):
+    """There is no state before the bad step: no snapshot, and the start of training was not remembered."""
+
+
+class CommitAbandoned(RuntimeError):
+    """Another rank failed this attempt (its reason is in the message); this rank's files are discarded too."""
+
+
+class RemoteUnreachableError(OSError):
+    """The remote level cannot be listed or written (wrong URL, credentials, endpoint, or network)."""
+
+
+class IllegalTransitionError(RuntimeError):
+    """A job was asked to move to a state its current one does not lead to (a bug in lazyckpt)."""

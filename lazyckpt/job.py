@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lazyckpt.errors import IllegalTransitionError
 from lazyckpt.plan import Piece, TensorEntry
 from lazyckpt.state import Deferred, Path
 from lazyckpt.stats import CheckpointStats
@@ -56,10 +57,6 @@ _NEXT: dict[JobState, frozenset[JobState]] = {
 }
 ENDS = frozenset({JobState.COMMITTED, JobState.DISCARDED})
 _FILE_CLOSED = frozenset({JobState.DURABLE, JobState.COMMITTING})
-
-
-class IllegalTransitionError(RuntimeError):
-    """A job was asked to move to a state its current one does not lead to (a bug in lazyckpt)."""
 
 
 @dataclass(eq=False)

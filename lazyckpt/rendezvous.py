@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from lazyckpt.errors import CommitAbandoned
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,6 @@ def group_rank(options: dict[str, Any]) -> dict[str, Any]:
     if dist.is_available() and dist.is_initialized():
         options = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **options}
     return options
-
-
-class CommitAbandoned(RuntimeError):
-    """Another rank failed this attempt; this rank's files are discarded too."""
 
 
 class Rendezvous:

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lazyckpt
 from _distributed import run_ranks, two_ranks_meeting
-from lazyckpt.rendezvous import CommitAbandoned
+from lazyckpt.errors import CommitAbandoned
 from lazyckpt.state import flatten
 
 

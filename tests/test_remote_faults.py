@@ -15,7 +15,7 @@ from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s
 from conftest import snapshot, step
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage
-from lazyckpt.remote.upload import RemoteUnreachableError
+from lazyckpt.errors import RemoteUnreachableError
 
 
 def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):

@@ -17,7 +17,8 @@ from _remote_helpers import FlakyRemote, moto_endpoint, s3_remote  # noqa: F401 
 from lazyckpt.remote import fetch
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.remote.rendezvous import StoreMeeting
-from lazyckpt.rendezvous import CommitAbandoned, default_store
+from lazyckpt.errors import CommitAbandoned
+from lazyckpt.rendezvous import default_store
 from lazyckpt.storage.fsspec import FsspecStorage
 
 

@@ -10,7 +10,7 @@ import torch
 
 from _distributed import two_ranks_meeting
 from lazyckpt.remote.rendezvous import StoreMeeting, upload_attempt
-from lazyckpt.rendezvous import CommitAbandoned
+from lazyckpt.errors import CommitAbandoned
 
 
 def _on_both(rank0_part, rank1_part):

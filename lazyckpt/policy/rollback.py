@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lazyckpt.errors import RollbackLimitError
+from lazyckpt.errors import NothingToRollBackTo, RollbackLimitError
 from lazyckpt.loading import load
 from lazyckpt.retention import committed_steps
 
@@ -76,10 +76,6 @@ class StepVote:
         self.step = step
         bad, self._bad = self._bad, False
         return bad
-
-
-class NothingToRollBackTo(LookupError):
-    """There is no state before the bad step: no snapshot, and the start of training was not remembered."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES, rank_file, rank_manifest, step_dirname
 from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
     from lazyckpt.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
-
-
-class RemoteUnreachableError(OSError):
-    """The remote level cannot be listed or written (wrong URL, credentials, endpoint, or network)."""
 
 
 @dataclass(eq=False)
