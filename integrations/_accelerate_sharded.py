@@ -19,7 +19,7 @@ from lazyckpt.policy import RunLayout, restore_sharded
 from lazyckpt.policy.sharded import set_sharded_states as set_states
 from lazyckpt.policy.sharded import sharded_states
 from lazyckpt.reader import CheckpointReader
-from lazyckpt.remote.urls import storage_for
+from lazyckpt.storage.urls import storage_for
 
 RUN_KEYS = ("rng",)
 """Per-process values a process the checkpoint was not saved by keeps as they are: its RNG states. It takes

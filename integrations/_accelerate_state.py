@@ -18,7 +18,7 @@ import torch
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.policy import (CheckpointSession, RunLayout, UpdateLoop, capture_rng, check_fits, find_generators,
                              restore_rng)
-from lazyckpt.remote.urls import options_for
+from lazyckpt.storage.urls import options_for
 
 from . import _accelerate_sharded as sharded
 from . import _compat

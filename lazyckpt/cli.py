@@ -32,7 +32,7 @@ from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import FORMATS, export
 from lazyckpt.policy.aliases import alias_step
 from lazyckpt.format import MANIFEST
-from lazyckpt.remote.urls import is_url
+from lazyckpt.storage.urls import is_url
 from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader, placeholders
 from lazyckpt.tensor_io import read_tensor_bytes

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lazyckpt.remote.urls import check_url, is_url
+from lazyckpt.storage.urls import check_url, is_url
 
 
 class CopyBackendName(str, enum.Enum):

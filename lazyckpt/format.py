@@ -12,7 +12,8 @@ import torch
 
 from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES
 from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
-from lazyckpt.plan import PAGE_BYTES, TensorEntry
+from lazyckpt.storage import PAGE_BYTES
+from lazyckpt.plan import TensorEntry
 
 FORMAT_NAME = "lazyckpt"
 FORMAT_VERSION = 3

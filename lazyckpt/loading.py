@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lazyckpt.reader import CheckpointReader, Progress
-from lazyckpt.remote.urls import storage_for
+from lazyckpt.storage.urls import storage_for
 from lazyckpt.retention import committed_steps
 from lazyckpt.storage import Storage
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.storage import PAGE_BYTES
 
-PAGE_BYTES = 4096
-"""The direct-I/O block: staging slots start on it, and a piece whose file offset is a multiple of it goes to the
-disk straight from its slot."""
 PIECE_BYTES = 8 * CHUNK_BYTES
 """Largest piece (one host staging slot, one write). Measured on 2 cores: with 1 MiB pieces the writer spent
 most of its time waiting for the GIL between small numpy calls while a Python-heavy training loop ran

@@ -25,7 +25,7 @@ from lazyckpt.checksum import CHUNK_BYTES
 from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format import torch_dtype
 from lazyckpt.reader import CheckpointReader, RankFile
-from lazyckpt.remote.urls import storage_for
+from lazyckpt.storage.urls import storage_for
 from lazyckpt.sharding import is_dtensor
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage

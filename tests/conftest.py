@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 import lazyckpt
 from lazyckpt.staging.cpu import CpuCopyBackend
 from lazyckpt.storage import FileKind, LocalStorage, Storage
-from lazyckpt.storage.memory import MemoryStorage
+from lazyckpt.storage.in_memory import MemoryStorage
 
 
 def pytest_collection_modifyitems(config, items):

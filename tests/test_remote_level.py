@@ -61,7 +61,7 @@ def test_load_into_fills_targets_from_the_remote_with_the_local_directory_delete
 
 
 def test_uploads_read_the_local_level_through_its_storage(trained, any_remote):
-    from lazyckpt.storage.memory import MemoryStorage
+    from lazyckpt.storage.in_memory import MemoryStorage
 
     url, options = any_remote
     model, opt = trained

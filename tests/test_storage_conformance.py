@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from lazyckpt.storage import FileKind, Storage
+from lazyckpt.storage import FileKind, Storage, wait_for_lock
 
 
 def _write_file(storage: Storage, path: str, data: bytes) -> None:
@@ -216,6 +216,20 @@ def test_a_lock_is_exclusive_until_released(storage_root):
     held.release()
     held.release()  # idempotent
     storage.lock(path).release()
+
+
+def test_waiting_for_a_lock_ends_when_its_holder_releases_it(storage_root):
+    storage, root = storage_root
+    path = os.path.join(root, ".lock")
+    held = storage.lock(path)
+    with pytest.raises(TimeoutError, match="stayed locked"):
+        wait_for_lock(storage, path, timeout_s=0.05)
+    taken = threading.Event()
+    waiter = threading.Thread(target=lambda: (wait_for_lock(storage, path, timeout_s=30).release(), taken.set()))
+    waiter.start()
+    held.release()
+    waiter.join(30)
+    assert taken.is_set()
 
 
 def test_free_bytes_is_a_count_of_bytes(storage_root):

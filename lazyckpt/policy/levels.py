@@ -20,7 +20,7 @@ import os
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.remote.options import split_levels
-from lazyckpt.remote.urls import is_url
+from lazyckpt.storage.urls import is_url
 
 
 def url_dirpath_levels(dirpath: str | os.PathLike[str] | None,

@@ -33,7 +33,7 @@ from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.remote.urls import options_for
+from lazyckpt.storage.urls import options_for
 from lazyckpt.rendezvous import default_store
 from lazyckpt.retention import committed_steps, steps_to_purge
 from lazyckpt.sharding import PerRank

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lazyckpt.reader import CheckpointReader
-from lazyckpt.remote.urls import storage_for
+from lazyckpt.storage.urls import storage_for
 from lazyckpt.reshard import load_into
 
 

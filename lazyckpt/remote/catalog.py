@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from lazyckpt.format import MANIFEST, STEP_DIR
-from lazyckpt.remote.urls import join
+from lazyckpt.storage.urls import join
 from lazyckpt.retention import committed_steps
 from lazyckpt.storage import FileKind, Storage
 

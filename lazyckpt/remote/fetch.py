@@ -21,12 +21,10 @@ import os
 import posixpath
 from typing import Any
 
-from filelock import FileLock
-
 from lazyckpt.format import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.remote.urls import is_url, join
-from lazyckpt.storage import LocalStorage
+from lazyckpt.storage.urls import is_url, join
+from lazyckpt.storage import LocalStorage, wait_for_lock
 from lazyckpt.storage.fsspec import FsspecStorage
 
 logger = logging.getLogger(__name__)
@@ -41,12 +39,16 @@ def newest_on_this_node(dirpath: str, remote: str | None, storage_options: dict[
     newest = newest_checkpoint(dirpath, remote, storage_options)
     if newest is None or not is_url(newest):
         return newest
-    os.makedirs(dirpath, exist_ok=True)
-    with FileLock(os.path.join(dirpath, FETCH_LOCK)):
+    local = LocalStorage()
+    local.make_dir(dirpath)
+    lock = wait_for_lock(local, os.path.join(dirpath, FETCH_LOCK))
+    try:
         here = os.path.join(dirpath, posixpath.basename(newest))
-        if LocalStorage().stat(os.path.join(here, MANIFEST)) is not None:
+        if local.stat(os.path.join(here, MANIFEST)) is not None:
             return here  # another rank sharing this directory fetched it meanwhile
         return fetch_step(newest, storage_options, dirpath)
+    finally:
+        lock.release()
 
 
 def fetch_step(step_url: str, storage_options: dict[str, Any] | None, dirpath: str) -> str:

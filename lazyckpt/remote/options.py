@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from lazyckpt.remote.urls import check_url, default_spool_dir, is_url
+from lazyckpt.storage.urls import check_url, default_spool_dir, is_url
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig

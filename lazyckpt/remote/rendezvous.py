@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from lazyckpt.commit import _wait_for
 from lazyckpt.format import MANIFEST, rank_manifest
-from lazyckpt.remote.urls import join
+from lazyckpt.storage.urls import join
 from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 

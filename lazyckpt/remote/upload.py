@@ -25,7 +25,7 @@ from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES, rank_file, rank_manifest, step_dirname
 from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
-from lazyckpt.remote.urls import join
+from lazyckpt.storage.urls import join
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.retention import steps_to_purge
@@ -271,7 +271,7 @@ class RemoteLevel:
         """Copy one committed local file to the remote in pieces; returns its size."""
         if isinstance(self.local, LocalStorage):  # s3fs streams the file itself, parts in parallel
             self.storage.upload_file(src, dst)
-            return os.path.getsize(src)
+            return self.local.stat(src).size
         handle, out = self.local.open_read(src), self.storage.open_write(dst)
         try:
             piece, offset = bytearray(_COPY_BYTES), 0

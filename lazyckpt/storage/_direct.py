@@ -16,7 +16,7 @@ import queue
 
 import numpy as np
 
-from lazyckpt.plan import PAGE_BYTES
+from lazyckpt.storage.base import PAGE_BYTES
 from lazyckpt.threads import WRITER_NICE, start_background_thread
 
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -8,11 +8,15 @@ lazyckpt at once. Paths are plain strings: a remote backend may receive URLs, wh
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 Buffer = memoryview
+PAGE_BYTES = 4096
+"""The direct-I/O block: staging slots and every tensor file's data section start on it, and a piece whose file
+offset is a multiple of it goes to the disk straight from its slot."""
 
 
 class FileKind(str, enum.Enum):
@@ -116,3 +120,21 @@ class Storage(Protocol):
     def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
         """The whole regular file ``path``. Raises ``ValueError`` (before reading) when it holds more than
         ``max_bytes`` and ``IsADirectoryError``/``OSError`` when it is not a regular file."""
+
+
+def wait_for_lock(storage: Storage, path: str, *, timeout_s: float | None = None) -> StorageLock:
+    """:meth:`Storage.lock`, waiting while another holder has it (processes taking turns, e.g. at a fetch).
+
+    Raises:
+        TimeoutError: still held by another after ``timeout_s`` seconds (None: wait as long as it takes).
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            return storage.lock(path)
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"lazyckpt: {path} stayed locked by another process for {timeout_s:g}s") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)

@@ -8,7 +8,7 @@ import re
 import tempfile
 from typing import Any
 
-from lazyckpt.storage import Storage
+from lazyckpt.storage.base import Storage
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 

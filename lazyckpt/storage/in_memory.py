@@ -5,7 +5,7 @@ semantics follow :class:`~lazyckpt.storage.LocalStorage` on POSIX: links are fol
 last one of ``stat``/``read_link``/``remove_file``; a lock is exclusive within the process and creates its file.
 
 Example:
-    >>> from lazyckpt.storage.memory import MemoryStorage
+    >>> from lazyckpt.storage.in_memory import MemoryStorage
     >>> storage = MemoryStorage()
     >>> storage.make_dir("/runs/a")
     >>> storage.write_atomic("/runs/a/x.json", b"{}", sync=True)
