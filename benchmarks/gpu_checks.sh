@@ -13,7 +13,7 @@ py=${PYTHON:-python3}
 status=0
 echo "== build $(date -u +%H:%M:%S)"
 $py -m pip install -q --no-deps --no-build-isolation -e . > "$out/build.log" 2>&1 || { cat "$out/build.log"; exit 1; }
-$py -c "import torch, lazyckpt.checksum; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+$py -c "import torch, lazyckpt.format.checksum; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 echo "== gpu tests $(date -u +%H:%M:%S)"
 $py -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" | tail -15 || status=1
 echo "== gpu_copy.py $(date -u +%H:%M:%S)"

@@ -248,7 +248,8 @@ def crossover(bench: Bench, rows: list[dict]) -> None:
 
 
 def staging(bench: Bench, rows: list[dict]) -> None:
-    from lazyckpt.plan import PIECE_BYTES, TensorEntry, layout, plan_pieces
+    from lazyckpt.plan import PIECE_BYTES, layout, plan_pieces
+    from lazyckpt.format.header import TensorEntry
     from lazyckpt.staging.cuda import CudaCopyBackend
     from lazyckpt.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
 
@@ -326,7 +327,7 @@ def interference(bench: Bench, rows: list[dict]) -> None:
 
 
 def checksum_cost(bench: Bench, rows: list[dict]) -> None:
-    from lazyckpt.checksum import checksum_bytes
+    from lazyckpt.format.checksum import checksum_bytes
     from lazyckpt.triton_kernels import TableCache, checksum_segments
 
     sources = make_sources([bench.large_bytes // 4] * 4)

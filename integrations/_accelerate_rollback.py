@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
 from lazyckpt.errors import NothingToRollBackTo
+from lazyckpt.policy import CheckpointSession, Restored, RollbackPolicy
 
 from ._accelerate_state import PreparedRun
 

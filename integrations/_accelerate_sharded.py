@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from lazyckpt.policy import RunLayout, restore_sharded
-from lazyckpt.policy.sharded import set_sharded_states as set_states
-from lazyckpt.policy.sharded import sharded_states
+from lazyckpt.policy.sharded import set_sharded_states as set_states, sharded_states
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.storage.urls import storage_for
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from lazyckpt.checksum import format_checksum, num_chunks
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.format import (PARTIAL_SUFFIX, build_header, dcp_sharding_metadata, dtype_name, global_index,
-                             step_dirname, tensor_summary, tensor_table_doc)
+from lazyckpt.format.checksum import format_checksum, num_chunks
+from lazyckpt.format.header import TensorEntry, build_header, dcp_sharding_metadata, dtype_name
+from lazyckpt.format.manifest import global_index, tensor_summary, tensor_table_doc
+from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.job import CheckpointJob, CheckpointStats
-from lazyckpt.plan import Piece, TensorEntry, layout, plan_pieces
+from lazyckpt.plan import Piece, layout, plan_pieces
 from lazyckpt.sharding import Box
 from lazyckpt.staging import CopyBackend
 from lazyckpt.state import flatten

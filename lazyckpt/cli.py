@@ -30,14 +30,14 @@ from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import FORMATS, export
+from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.names import MANIFEST
 from lazyckpt.policy.aliases import alias_step
-from lazyckpt.format import MANIFEST
-from lazyckpt.storage.urls import is_url
-from lazyckpt.retention import committed_steps
 from lazyckpt.reader import CheckpointReader, placeholders
+from lazyckpt.storage import FileKind, LocalStorage, Storage
+from lazyckpt.storage.urls import is_url
 from lazyckpt.tensor_io import read_tensor_bytes
 from lazyckpt.unflatten import unflatten
-from lazyckpt.storage import FileKind, LocalStorage, Storage
 
 PROGRESS_MIN_BYTES = 256 << 20
 """``verify`` shows a progress bar from this many tensor bytes on (smaller ones finish before it would draw)."""

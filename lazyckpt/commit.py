@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 
 from lazyckpt._version import __version__
-from lazyckpt.format import (MANIFEST, encode_manifest, global_index, rank_file, rank_manifest, rank_manifest_doc,
-                             tensor_summary, top_manifest_doc)
+from lazyckpt.format.manifest import encode_manifest, global_index, rank_manifest_doc, tensor_summary, top_manifest_doc
+from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest
+from lazyckpt.format.schema import check_global_tensors
 from lazyckpt.job import CheckpointJob
-from lazyckpt.manifest import check_global_tensors
 from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 

@@ -134,9 +134,26 @@ class CheckpointConfig:
             raise ValueError(f"commit_timeout_s={self.commit_timeout_s!r} must be positive")
         if self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes={self.min_free_bytes!r} must be >= 0")
-        from lazyckpt.remote.options import check_remote_options
+        _check_remote_options(self)
 
-        check_remote_options(self)
+
+def _check_remote_options(config: CheckpointConfig) -> None:
+    """Raise ``ValueError`` naming the option, the value and the fix."""
+    if config.remote is not None:
+        config.remote = check_url("remote", config.remote)
+    every_n = config.remote_every_n
+    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+        raise ValueError(f"remote_every_n={every_n!r} must be a positive int (1 uploads every checkpoint)")
+    keep = config.remote_keep_last_k
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"remote_keep_last_k={keep!r} must be a positive int or None (keep all)")
+    timeout = config.remote_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"remote_timeout_s={timeout!r} must be a positive number of seconds")
+    if config.storage_options is not None and not isinstance(config.storage_options, dict):
+        raise ValueError(f"storage_options={config.storage_options!r} must be a dict of fsspec options or None")
+    if config.spool_dir is not None and is_url(config.spool_dir):
+        raise ValueError(f"spool_dir={config.spool_dir!r} must be a local directory, not a URL")
 
 
 def normalize_dirpath(dirpath: str | os.PathLike[str]) -> str:

@@ -12,8 +12,8 @@ from functools import partial
 import time
 from collections.abc import Callable
 
-from lazyckpt.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.errors import SnapshotConsistencyError
+from lazyckpt.format.checksum import checksum_run, format_checksum, tensor_bytes
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.plan import PIECE_BYTES, Piece, lazy_bytes, segment_runs

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lazyckpt.format import MANIFEST, torch_dtype
+from lazyckpt.format.header import torch_dtype
+from lazyckpt.format.names import MANIFEST
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.reshard import ShardFiles
 from lazyckpt.state import tensor_key

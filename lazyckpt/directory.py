@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from lazyckpt.config import CheckpointConfig, OnOlderStep
 from lazyckpt.errors import StepOrderError
-from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
+from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import move_aside, remove_partials
 from lazyckpt.rendezvous import Rendezvous
-from lazyckpt.retention import committed_steps, steps_to_purge
+from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import Storage
 
 if TYPE_CHECKING:

@@ -29,16 +29,16 @@ from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
 from lazyckpt.copier import Copier
 from lazyckpt.directory import CommittedSteps, meet_ranks
 from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError
-from lazyckpt.format import step_dirname
+from lazyckpt.format.names import step_dirname
 from lazyckpt.housekeeping import DirectoryLock
 from lazyckpt.inflight import InFlight, deliver_error
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
-from lazyckpt.remote.options import split_levels
+from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.pending import PendingCheckpoint, remaining
+from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.rendezvous import default_store, group_rank
-from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.state import encode_resolved, fill_deferred
 from lazyckpt.stats import StatsLog

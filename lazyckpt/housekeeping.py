@@ -6,7 +6,7 @@ import logging
 import os
 
 from lazyckpt.errors import DirectoryLockedError
-from lazyckpt.format import PARTIAL_SUFFIX, step_dirname
+from lazyckpt.format.names import PARTIAL_SUFFIX, SUPERSEDED_SUFFIX, step_dirname
 from lazyckpt.storage import Storage, StorageLock
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,6 @@ def remove_partials(dirpath: str, storage: Storage) -> list[str]:
     if removed:
         logger.info("lazyckpt: removed %d partial checkpoint(s) left by an earlier run in %s", len(removed), dirpath)
     return removed
-
-
-SUPERSEDED_SUFFIX = ".superseded"
 
 
 def move_aside(dirpath: str, step: int, storage: Storage) -> str:

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import IllegalTransitionError
-from lazyckpt.plan import Piece, TensorEntry
+from lazyckpt.format.header import TensorEntry
+from lazyckpt.plan import Piece
 from lazyckpt.state import Deferred, Path
 from lazyckpt.stats import CheckpointStats
 
@@ -111,7 +112,7 @@ class CheckpointJob:
 
     @property
     def file_path(self) -> str:
-        from lazyckpt.format import rank_file
+        from lazyckpt.format.names import rank_file
 
         return os.path.join(self.partial_dir, rank_file(self.rank, self.world_size))
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from lazyckpt.commit import commit
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.format import rank_manifest
+from lazyckpt.format.names import rank_manifest
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage

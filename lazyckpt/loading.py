@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.reader import CheckpointReader, Progress
-from lazyckpt.storage.urls import storage_for
-from lazyckpt.retention import committed_steps
 from lazyckpt.storage import Storage
+from lazyckpt.storage.urls import storage_for
 
 
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,

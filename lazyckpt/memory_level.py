@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.checksum import tensor_bytes
+from lazyckpt.format.checksum import tensor_bytes
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.plan import PIECE_BYTES, Piece, segment_runs
 from lazyckpt.reshard import tensor_targets

@@ -10,27 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.format.checksum import CHUNK_BYTES
+from lazyckpt.format.header import TensorEntry
 from lazyckpt.storage import PAGE_BYTES
 
 PIECE_BYTES = 8 * CHUNK_BYTES
 """Largest piece (one host staging slot, one write). Measured on 2 cores: with 1 MiB pieces the writer spent
 most of its time waiting for the GIL between small numpy calls while a Python-heavy training loop ran
 (289 MiB took 1.17 s instead of 0.26 s alone); 8 MiB pieces cut those hand-offs eightfold."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One tensor of one rank's file: where its bytes go and how they are captured."""
-
-    key: str
-    dtype: str
-    """The safetensors dtype string (``F32``, ``BF16``, ``BOOL``...)."""
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int = 0
-    """Byte offset of the tensor inside the file's data section."""
-    lazy: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
-from lazyckpt.format import (MANIFEST, MAX_MANIFEST_BYTES, PARTIAL_SUFFIX, header_length, parse_header,
-                             sha256_hex, torch_dtype)
-from lazyckpt.manifest import check_member_name, parse_manifest
+from lazyckpt.format.checksum import sha256_hex
+from lazyckpt.format.header import header_length, parse_header, torch_dtype
+from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
+from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.format.schema import check_member_name, parse_manifest
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.unflatten import unflatten

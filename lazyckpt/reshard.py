@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES
 from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from lazyckpt.format import torch_dtype
+from lazyckpt.format.checksum import CHUNK_BYTES
+from lazyckpt.format.header import torch_dtype
 from lazyckpt.reader import CheckpointReader, RankFile
-from lazyckpt.storage.urls import storage_for
 from lazyckpt.sharding import is_dtensor
 from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
+from lazyckpt.storage.urls import storage_for
 from lazyckpt.tensor_io import check_chunks, read_exact
 from lazyckpt.unflatten import unflatten
 

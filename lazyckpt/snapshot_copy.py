@@ -6,7 +6,7 @@ optimizer. Here the destination of an entry is the caller's own tensor when one 
 :func:`lazyckpt.load_into` finds its targets: by the flattened key of a state with live tensors at its leaves),
 so the bytes land where they are used and ``load_state_dict`` of the result copies nothing; an entry without a
 fitting target gets a fresh tensor. Each 1 MiB chunk is copied and checked by
-:func:`lazyckpt.checksum.copy_checksum`: each word is mixed into the chunk's checksum as it is copied, so the
+:func:`lazyckpt.format.checksum.copy_checksum`: each word is mixed into the chunk's checksum as it is copied, so the
 snapshot's bytes are read from memory once. With more than one torch thread the chunks are spread over that many
 threads (the copy-and-check loop releases the GIL).
 
@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, copy_checksum, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError
-from lazyckpt.format import torch_dtype
-from lazyckpt.plan import TensorEntry
+from lazyckpt.format.checksum import CHUNK_BYTES, copy_checksum, tensor_bytes
+from lazyckpt.format.header import TensorEntry, torch_dtype
 from lazyckpt.reshard import target_block
 from lazyckpt.tensor_io import check_chunk
 

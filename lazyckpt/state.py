@@ -200,7 +200,7 @@ def fill_deferred(tree: Any, resolved: list[Any]) -> Any:
 
 
 def encode_inline_tensor(tensor: torch.Tensor, path: Path) -> dict[str, Any]:
-    from lazyckpt.format import dtype_name
+    from lazyckpt.format.header import dtype_name
 
     data = tensor.detach().to("cpu").contiguous()
     nbytes = data.numel() * data.element_size()
@@ -208,5 +208,5 @@ def encode_inline_tensor(tensor: torch.Tensor, path: Path) -> dict[str, Any]:
         raise UnsupportedValueError(f"{path_str(path)}: a Deferred produced a tensor of {nbytes} bytes; at most "
                                     f"{MAX_INLINE_TENSOR_BYTES} are stored inline — put it in the state directly")
     raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if nbytes else b""
-    return {"dtype": dtype_name(data.dtype, path), "shape": list(data.shape),
+    return {"dtype": dtype_name(data.dtype, path_str(path)), "shape": list(data.shape),
             "data": base64.b64encode(raw).decode("ascii")}

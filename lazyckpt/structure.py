@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lazyckpt.format import dtype_name
-from lazyckpt.plan import TensorEntry
+from lazyckpt.format.header import TensorEntry, dtype_name
 from lazyckpt.sharding import Box, is_dtensor, local_shard, plan_ownership, plan_signature
+from lazyckpt.state import path_str
 
 _KEPT_STRUCTURES = 4
 """A loop may alternate a few structures (e.g. a model-only save between full ones); more is not a loop."""
@@ -96,7 +96,7 @@ def plan_structure(shape: tuple, leaves: list[tuple[str, torch.Tensor]], per_ran
     (raises what :func:`plan_ownership` and ``dtype_name`` raise)."""
     owned = plan_ownership(leaves, per_rank, rank=rank, world_size=world_size, coordinated=coordinated)
     written = tuple(
-        Written(index, TensorEntry(o.key, dtype_name(o.local.dtype, (o.key,)), tuple(o.local.shape),
+        Written(index, TensorEntry(o.key, dtype_name(o.local.dtype, path_str((o.key,))), tuple(o.local.shape),
                                    o.local.numel() * o.local.element_size()), o.sharded)
         for index, o in enumerate(owned) if o.writes)
     structure = Structure(shape, written, {o.key: o.box for o in owned if o.writes}, plan_signature(owned, dtype_name))

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_run, format_checksum, num_chunks, tensor_bytes
 from lazyckpt.errors import CheckpointCorruptError
+from lazyckpt.format.checksum import CHUNK_BYTES, checksum_run, format_checksum, num_chunks, tensor_bytes
 from lazyckpt.storage import ReadHandle
 from lazyckpt.threads import limit_torch_threads_here
 

@@ -121,7 +121,7 @@ class _Decoder:
 
 
 def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
-    from lazyckpt.format import check_shape, numel_of, torch_dtype
+    from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 
     dtype = torch_dtype(value["dtype"], "inline tensor")
     shape = check_shape(value["shape"], "inline tensor")

@@ -160,7 +160,7 @@ def _import_omegaconf() -> Any:
 
 
 def _decode_strings(value: Any, path: str, decoder: Decoder) -> np.ndarray:
-    from lazyckpt.format import check_shape
+    from lazyckpt.format.header import check_shape
 
     dtype = np.dtype(value["dtype"])
     items = value["items"]

@@ -7,7 +7,9 @@ import json
 import os
 import struct
 
-from lazyckpt.format import MANIFEST, encode_manifest, seal_manifest, sha256_hex
+from lazyckpt.format.checksum import sha256_hex
+from lazyckpt.format.manifest import encode_manifest, seal_manifest
+from lazyckpt.format.names import MANIFEST
 
 FILE = "rank-00000-of-00001.safetensors"
 RANK0 = "rank-00000.json"

@@ -15,8 +15,8 @@ from conftest import assert_tree_equal, clone_tree
 
 import lazyckpt
 from lazyckpt import LazyCheckpointHook
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.integrations.accelerate import CheckpointMismatchError
-from lazyckpt.retention import committed_steps
 
 STEPS_PER_EPOCH = 4
 pytestmark = pytest.mark.filterwarnings("error:lazyckpt. no forward:RuntimeWarning")  # every request must overlap

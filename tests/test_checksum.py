@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, checksum_run, chunk_checksums, copy_checksum
+from lazyckpt.format.checksum import CHUNK_BYTES, checksum_bytes, checksum_run, chunk_checksums, copy_checksum
 
 
 def test_checksum_values_are_pinned_for_the_format_s_life():

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes
-from lazyckpt.plan import TensorEntry, layout, plan_pieces
+from lazyckpt.format.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes
+from lazyckpt.format.header import TensorEntry
+from lazyckpt.plan import layout, plan_pieces
 from lazyckpt.staging.cpu import CpuCopyBackend
 from lazyckpt.staging.cuda import CudaCopyBackend
 from lazyckpt.triton_kernels import interpreter_active, triton_available

@@ -61,7 +61,8 @@ def test_pool_slots_start_on_page_boundaries():
 
 
 def test_tensors_whose_sizes_are_whole_pages_are_laid_out_first_so_their_offsets_stay_page_aligned():
-    from lazyckpt.plan import TensorEntry, layout
+    from lazyckpt.format.header import TensorEntry
+    from lazyckpt.plan import layout
 
     sizes = {"odd": 1000 * 4, "page": 1024 * 4, "big": 3 * 1024 * 4, "word": 12 * 4}
     entries = [TensorEntry(k, "F32", (n // 4,), n, lazy=True) for k, n in sizes.items()]

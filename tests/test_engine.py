@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.retention import committed_steps
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.stats import StatsLog
 
 
@@ -82,8 +82,9 @@ def test_the_free_space_check_counts_the_manifests_too(storage_root):
 
 def test_the_free_space_estimate_covers_sharded_tables_and_the_global_index():
     from lazyckpt.capture import _tensor_tables_bytes
-    from lazyckpt.format import global_index, rank_manifest_doc, tensor_summary
-    from lazyckpt.plan import TensorEntry, layout
+    from lazyckpt.format.manifest import global_index, rank_manifest_doc, tensor_summary
+    from lazyckpt.format.header import TensorEntry
+    from lazyckpt.plan import layout
     from lazyckpt.sharding import Box
 
     world_size, rows = 4, 1_000_000

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.format import MAX_MANIFEST_BYTES
+from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 
 from _forge import FILE, RANK0, downgrade, edit_header, edit_manifest, read_json, reseal
 from conftest import assert_tree_equal

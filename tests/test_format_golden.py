@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lazyckpt.format import build_header, dcp_sharding_metadata
-from lazyckpt.plan import TensorEntry
+from lazyckpt.format.header import TensorEntry, build_header, dcp_sharding_metadata
 
 GOLDEN_BODY = (
     b'{"__metadata__":{"DCP_SHARDING_INFO":"{\\"model/w\\": {\\"saved_offsets\\": [0, 0]}, \\"step\\": '

@@ -15,8 +15,8 @@ import torch
 import lazyckpt
 from conftest import GatedBackend
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
-from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.errors import IllegalTransitionError
+from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.staging.cpu import CpuCopyBackend
 from lazyckpt.state import Deferred
 from lazyckpt.stats import CheckpointStats

@@ -11,8 +11,8 @@ import torch
 from _lightning_helpers import make_module_class, namespace, run
 
 import lazyckpt
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.policy import newest_checkpoint
-from lazyckpt.retention import committed_steps
 
 pl, LazyCheckpoint = namespace("lightning")
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

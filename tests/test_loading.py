@@ -12,7 +12,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import cli
-from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.format.checksum import CHUNK_BYTES
 from lazyckpt.storage import LocalStorage
 from lazyckpt.tensor_io import READ_BYTES
 

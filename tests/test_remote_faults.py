@@ -13,9 +13,9 @@ import pytest
 import lazyckpt
 from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
 from conftest import snapshot, step
+from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage
-from lazyckpt.errors import RemoteUnreachableError
 
 
 def test_an_unreachable_remote_fails_at_construction_naming_the_url(tmp_path):
@@ -44,7 +44,7 @@ def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_the_missed_ste
     pending = ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
     assert pending.wait_remote() == f"{url}/step-0000003"
     ckpt.close()
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [1, 2, 3]
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [1, 2, 3]
     committed, partial = remote_steps(FsspecStorage(url, options), url)
     assert sorted(committed) == [1, 2, 3] and partial == [], "step 2 was retried when step 3 committed"
 
@@ -69,7 +69,7 @@ def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_pa
     flaky.fail = False
     assert ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait_remote() == f"{url}/step-0000003"
     ckpt.close()
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [1, 2, 3], "nothing deleted locally"
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [1, 2, 3], "nothing deleted locally"
     committed, partial = remote_steps(FsspecStorage(url, options), url)
     assert sorted(committed) == [2, 3] and partial == [f"{url}/step-0000001"]
     lazyckpt.LazyCheckpointer(tmp_path / "next", remote=url, storage_options=options).close()

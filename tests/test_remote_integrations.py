@@ -123,7 +123,7 @@ def test_lightning_with_a_url_dirpath_uploads_every_checkpoint_and_resumes_from_
     monkeypatch.setattr("tempfile.tempdir", str(temp))  # the default spool directory of node A
     _, _, first = run(url, max_epochs=2, callback_kwargs={"save_top_k": -1, "storage_options": options})
     assert first.dirpath.startswith(str(temp)) and list(cwd.iterdir()) == []
-    saved = sorted(step for step, _ in (lazyckpt.loading.committed_steps(first.dirpath).items()))
+    saved = sorted(step for step, _ in (lazyckpt.format.catalog.committed_steps(first.dirpath).items()))
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == saved and len(saved) == 2
     assert os.path.realpath(first.best_model_path).startswith(first.dirpath), "names live in the spool"
 

@@ -30,7 +30,7 @@ def test_remote_holds_exactly_the_due_steps_and_prunes_only_after_a_newer_commit
     assert remote_urls[6] == f"{url}/step-0000006"
     committed, partial = remote_steps(FsspecStorage(url, options), url)
     assert sorted(committed) == [4, 6] and partial == []
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path / "local"))) == [5, 6]
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path / "local"))) == [5, 6]
     assert lazyckpt.latest(url, storage_options=options) == remote_urls[6]
 
 
@@ -195,13 +195,13 @@ def test_local_retention_never_deletes_a_checkpoint_that_is_still_uploading(tmp_
     gated.entered.wait()
     step(model, opt, seed=3)
     ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait()
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [2, 3], "step 2 is still uploading"
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2, 3], "step 2 is still uploading"
     gated.gate.set()
     ckpt.remote.drain()
     step(model, opt, seed=5)
     ckpt.save(snapshot(model, opt), step=5, optimizers=[opt]).wait()
     ckpt.close()
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [5]
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [5]
     assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000002"
 
 
@@ -225,5 +225,5 @@ def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_
     session.save(3, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
     assert session.purge() == [1], "released once its upload is done"
     session.close()
-    assert sorted(lazyckpt.loading.committed_steps(str(tmp_path))) == [2, 3]
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2, 3]
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2, 3]

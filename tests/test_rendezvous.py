@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from _distributed import two_ranks_meeting
-from lazyckpt.remote.rendezvous import StoreMeeting, upload_attempt
 from lazyckpt.errors import CommitAbandoned
+from lazyckpt.remote.rendezvous import StoreMeeting, upload_attempt
 
 
 def _on_both(rank0_part, rank1_part):

@@ -21,21 +21,13 @@ import pytest
 
 pytest.importorskip("triton")
 
-from lazyckpt.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes  # noqa: E402
-from lazyckpt.plan import PIECE_BYTES, TensorEntry, layout, plan_pieces  # noqa: E402
+from lazyckpt.format.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes  # noqa: E402
+from lazyckpt.plan import PIECE_BYTES, layout, plan_pieces  # noqa: E402
+from lazyckpt.format.header import TensorEntry  # noqa: E402
 from lazyckpt.staging.cpu import CpuCopyBackend  # noqa: E402
 from lazyckpt.staging.triton import TritonCopyBackend  # noqa: E402
-from lazyckpt.triton_kernels import (  # noqa: E402
-    CopySegment,
-    TableCache,
-    checksum_segments,
-    checksums_to_list,
-    chunk_segments,
-    copy_tensor,
-    copy_with_checksums,
-    interpreter_active,
-    require_runtime,
-)
+from lazyckpt.triton_kernels import (CopySegment, TableCache, checksum_segments, checksums_to_list, chunk_segments,
+                                     copy_tensor, copy_with_checksums, interpreter_active, require_runtime)
 
 INTERPRETED = interpreter_active()
 DEVICE = torch.device("cpu") if INTERPRETED else torch.device("cuda")
@@ -281,7 +273,7 @@ def test_kernels_run_in_the_interpreter_even_when_triton_was_imported_first():
         """
         import os, triton, torch
         os.environ["TRITON_INTERPRET"] = "1"
-        from lazyckpt.checksum import checksum_bytes
+        from lazyckpt.format.checksum import checksum_bytes
         from lazyckpt.triton_kernels import checksums_to_list, chunk_segments, copy_with_checksums
         src = torch.arange(100, dtype=torch.uint8)
         dst = torch.zeros(100, dtype=torch.uint8)

@@ -16,19 +16,10 @@ Example:
 
 from __future__ import annotations
 
-from lazyckpt.triton_kernels._launch import (
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_NUM_PROGRAMS,
-    DEFAULT_NUM_WARPS,
-    check_launch_options,
-    checksum_segments,
-    checksums_to_list,
-    copy_tensor,
-    copy_with_checksums,
-    interpreter_active,
-    require_runtime,
-    triton_available,
-)
+from lazyckpt.triton_kernels._launch import (DEFAULT_BLOCK_BYTES, DEFAULT_NUM_PROGRAMS, DEFAULT_NUM_WARPS,
+                                             check_launch_options, checksum_segments, checksums_to_list, copy_tensor,
+                                             copy_with_checksums, interpreter_active, require_runtime,
+                                             triton_available)
 from lazyckpt.triton_kernels._table import MAX_SEGMENT_BYTES, CopySegment, TableCache, chunk_segments
 
 __all__ = [

@@ -9,7 +9,7 @@ Both kernels walk one int64 *segment table* (see ``_table.py`` for the columns) 
 program ``p`` of ``K`` handles rows ``p, p + K, p + 2K, ...``. Each row is at most one checksum chunk, and the
 host orders rows by size (largest first) so that striding spreads the bytes evenly over the programs.
 
-The checksum (``lazyckpt/checksum.py``) is additive over mixed words, so each program accumulates
+The checksum (``lazyckpt/format/checksum.py``) is additive over mixed words, so each program accumulates
 ``mix(w[i], i)`` lane-wise over its tiles and reduces once per segment:
 
     x = (w[i] ^ ((i + 1) * K1)) * M1;  x ^= x >> 29;  checksum = sum(x) + nbytes * K1   (all mod 2**64)
@@ -26,17 +26,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lazyckpt.triton_kernels._table import (
-    COL_DST_INDEX,
-    COL_DST_OFF,
-    COL_NBYTES,
-    COL_OUT,
-    COL_SRC_ADDR,
-    COL_SRC_OFF,
-    WORD_ALIGN,
-)
+from lazyckpt.triton_kernels._table import (COL_DST_INDEX, COL_DST_OFF, COL_NBYTES, COL_OUT, COL_SRC_ADDR,
+                                            COL_SRC_OFF, WORD_ALIGN)
 
-# The lzc64-v1 constants (lazyckpt.checksum.K1/M1/SHIFT). Literals above 2**63 become uint64 in Triton,
+# The lzc64-v1 constants (lazyckpt.format.checksum.K1/M1/SHIFT). Literals above 2**63 become uint64 in Triton,
 # so every product below wraps mod 2**64 exactly like the numpy reference.
 _K1: tl.constexpr = tl.constexpr(0x9E3779B97F4A7C15)
 _M1: tl.constexpr = tl.constexpr(0xBF58476D1CE4E5B9)

@@ -23,15 +23,8 @@ from types import ModuleType
 
 import torch
 
-from lazyckpt.triton_kernels._table import (
-    ROW_WIDTH,
-    CopySegment,
-    TableCache,
-    build_rows,
-    chunk_segments,
-    layout_key,
-    validate_segments,
-)
+from lazyckpt.triton_kernels._table import (ROW_WIDTH, CopySegment, TableCache, build_rows, chunk_segments,
+                                            layout_key, validate_segments)
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from lazyckpt.checksum import CHUNK_BYTES
+from lazyckpt.format.checksum import CHUNK_BYTES
 
 COL_SRC_ADDR, COL_SRC_OFF, COL_NBYTES, COL_DST_INDEX, COL_DST_OFF, COL_OUT = range(6)
 ROW_WIDTH = 8

@@ -23,19 +23,19 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 from __future__ import annotations
 
+from lazyckpt.errors import NothingToRollBackTo
 from lazyckpt.policy.feedback import (Reporter, RunFeedback, checkpoint_metrics, falling_behind, run_summary,
                                       summary_line)
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
 from lazyckpt.policy.levels import url_dirpath_levels
+from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_target
-from lazyckpt.errors import NothingToRollBackTo
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.policy.sharded import per_rank_source, restore_sharded
-from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo",

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.format import step_dirname
+from lazyckpt.format.names import step_dirname
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
 from lazyckpt.policy.feedback import Reporter, RunFeedback

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import CheckpointNotFoundError
-from lazyckpt.format import MANIFEST
+from lazyckpt.format.names import MANIFEST
 from lazyckpt.loading import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lazyckpt.errors import NothingToRollBackTo, RollbackLimitError
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.loading import load
-from lazyckpt.retention import committed_steps
 
 if TYPE_CHECKING:
     from lazyckpt.engine import LazyCheckpointer

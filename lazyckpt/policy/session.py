@@ -29,15 +29,16 @@ import torch
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.format.catalog import committed_steps
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.storage.urls import options_for
 from lazyckpt.rendezvous import default_store
-from lazyckpt.retention import committed_steps, steps_to_purge
+from lazyckpt.retention import steps_to_purge
 from lazyckpt.sharding import PerRank
 from lazyckpt.storage import Storage
+from lazyckpt.storage.urls import options_for
 
 logger = logging.getLogger(__name__)
 _OPEN: dict[str, CheckpointSession] = {}

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from lazyckpt.reader import CheckpointReader
-from lazyckpt.storage.urls import storage_for
 from lazyckpt.reshard import load_into
+from lazyckpt.storage.urls import storage_for
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """What a remote level holds: committed steps, partial uploads, and the commit-aware removal of a step.
 
-A remote step ``step-NNNNNNN/`` is committed when its ``manifest.json`` exists: it is the last object written.
+A remote step ``step-NNNNNNN/`` is committed by the format's one rule (:mod:`lazyckpt.format.catalog`): its
+``manifest.json``, the last object written, is there.
 Removal deletes the manifest first, so a removal cut short leaves an uncommitted step that readers ignore and
 the next run cleans up, never a "committed" step with missing files.
 """
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 import logging
 
-from lazyckpt.format import MANIFEST, STEP_DIR
+from lazyckpt.format.catalog import catalog, committed_steps
+from lazyckpt.format.names import MANIFEST
+from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
-from lazyckpt.retention import committed_steps
-from lazyckpt.storage import FileKind, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -20,24 +21,11 @@ logger = logging.getLogger(__name__)
 def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]:
     """``({step: step URL}, [URLs of uncommitted step entries])`` under ``url`` (an absent prefix holds nothing).
 
-    One listing of ``url``, then one look-up of each step's commit object. Entries not named ``step-*`` are not
-    ours and are left alone.
+    One listing of ``url``, then one look-up of each step entry and its commit object
+    (:func:`lazyckpt.format.catalog.catalog`). Entries not named ``step-*`` are not ours and are left alone.
     """
-    try:
-        names = storage.list_dir(url)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}, []
-    committed, partial = {}, []
-    for name in sorted(names):
-        if not name.startswith("step-"):
-            continue
-        match, entry = STEP_DIR.fullmatch(name), join(url, name)
-        manifest = storage.stat(join(entry, MANIFEST)) if match else None
-        if manifest is not None and manifest.kind is FileKind.FILE:
-            committed[int(match.group(1))] = entry
-        else:
-            partial.append(entry)
-    return committed, partial
+    found = catalog(storage, url)
+    return found.committed, found.uncommitted
 
 
 def remove_partial_uploads(storage: Storage, url: str) -> list[str]:

@@ -21,11 +21,11 @@ import os
 import posixpath
 from typing import Any
 
-from lazyckpt.format import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.storage.urls import is_url, join
 from lazyckpt.storage import LocalStorage, wait_for_lock
 from lazyckpt.storage.fsspec import FsspecStorage
+from lazyckpt.storage.urls import is_url, join
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Validation of the remote-level options and the split of a URL ``dirpath`` into spool + remote."""
+"""The split of a URL ``dirpath`` into a node-local spool directory and the remote level behind it."""
 
 from __future__ import annotations
 
@@ -6,29 +6,10 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from lazyckpt.storage.urls import check_url, default_spool_dir, is_url
+from lazyckpt.storage.urls import default_spool_dir, is_url
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
-
-
-def check_remote_options(config: CheckpointConfig) -> None:
-    """Raise ``ValueError`` naming the option, the value and the fix."""
-    if config.remote is not None:
-        config.remote = check_url("remote", config.remote)
-    every_n = config.remote_every_n
-    if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(f"remote_every_n={every_n!r} must be a positive int (1 uploads every checkpoint)")
-    keep = config.remote_keep_last_k
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"remote_keep_last_k={keep!r} must be a positive int or None (keep all)")
-    timeout = config.remote_timeout_s
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"remote_timeout_s={timeout!r} must be a positive number of seconds")
-    if config.storage_options is not None and not isinstance(config.storage_options, dict):
-        raise ValueError(f"storage_options={config.storage_options!r} must be a dict of fsspec options or None")
-    if config.spool_dir is not None and is_url(config.spool_dir):
-        raise ValueError(f"spool_dir={config.spool_dir!r} must be a local directory, not a URL")
 
 
 def split_levels(dirpath: str, config: CheckpointConfig) -> tuple[str, CheckpointConfig]:

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lazyckpt.commit import _wait_for
-from lazyckpt.format import MANIFEST, rank_manifest
-from lazyckpt.storage.urls import join
+from lazyckpt.format.names import MANIFEST, rank_manifest
 from lazyckpt.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
+from lazyckpt.storage.urls import join
 
 TIMEOUT_OPTION = "remote_timeout_s"
 

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import RemoteUnreachableError
-from lazyckpt.format import MANIFEST, MAX_MANIFEST_BYTES, rank_file, rank_manifest, step_dirname
+from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
+from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest, step_dirname
 from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
-from lazyckpt.storage.urls import join
+from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
-from lazyckpt.retention import steps_to_purge
+from lazyckpt.storage.urls import join
 from lazyckpt.threads import UPLOAD_NICE, start_background_thread
 
 if TYPE_CHECKING:

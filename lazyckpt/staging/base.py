@@ -7,7 +7,7 @@ The engine's copier thread calls one backend for the whole life of a checkpointe
 * :meth:`CopyBackend.copy_eager` runs on the training thread inside ``save()`` for tensors outside the
   immutability window and returns a private, contiguous CPU copy.
 * :meth:`CopyBackend.copy_pieces` runs on the copier thread; it copies each piece's segments from the flat
-  ``uint8`` sources into its destination slot and returns every segment's checksum (``lazyckpt.checksum``)
+  ``uint8`` sources into its destination slot and returns every segment's checksum (``lazyckpt.format.checksum``)
   when it computed them in the same pass, else ``None``. It returns only when the bytes are in host memory.
 """
 

@@ -12,7 +12,7 @@ from lazyckpt.staging.segments import copy_on_host, segment_refs, split_by_piece
 
 
 class CpuCopyBackend(CopyBackend):
-    """Copies with :func:`lazyckpt.checksum.copy_checksum`, which mixes each word into the checksum as it moves it.
+    """Copies with :func:`lazyckpt.format.checksum.copy_checksum`, which mixes each word into the checksum as it moves it.
 
     The fused copy costs what a plain copy does (289 MiB on one core: 23 against 21 ms), so the writer is left
     with writing only. It releases the GIL. One piece per batch: the writer starts on the first piece while the

@@ -12,7 +12,7 @@ kernel on a second copy stream (ordered after the same request event, running be
 checksums the *sources* on the device: an HBM read on a few SMs instead of a CPU pass over the staged bytes,
 and end to end, since a corrupted transfer then fails verification at load. :meth:`copy_pieces` returns
 them. Otherwise it returns ``None`` and the writer checksums the staged bytes with
-:func:`lazyckpt.checksum.checksum_bytes`, off the barrier's critical path. Both agree bit for bit.
+:func:`lazyckpt.format.checksum.checksum_bytes`, off the barrier's critical path. Both agree bit for bit.
 CPU-resident sources are copied on the host.
 
 Example:
@@ -29,22 +29,9 @@ import torch
 
 from lazyckpt.plan import Piece
 from lazyckpt.staging.base import CopyBackend
-from lazyckpt.staging.segments import (
-    SegmentRef,
-    copy_on_host,
-    segment_refs,
-    slot_range,
-    source_range,
-    split_by_piece,
-)
-from lazyckpt.triton_kernels import (
-    CopySegment,
-    TableCache,
-    checksum_segments,
-    checksums_to_list,
-    interpreter_active,
-    triton_available,
-)
+from lazyckpt.staging.segments import SegmentRef, copy_on_host, segment_refs, slot_range, source_range, split_by_piece
+from lazyckpt.triton_kernels import (CopySegment, TableCache, checksum_segments, checksums_to_list,
+                                     interpreter_active, triton_available)
 
 _NO_CUDA = (
     "copy_backend={name!r} needs a CUDA device, but torch.cuda.is_available() is False; use copy_backend='cpu' "

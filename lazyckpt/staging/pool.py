@@ -6,8 +6,8 @@ import queue
 
 import torch
 
-from lazyckpt.storage import PAGE_BYTES
 from lazyckpt.plan import PIECE_BYTES
+from lazyckpt.storage import PAGE_BYTES
 
 
 class HostBufferPool:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lazyckpt.checksum import copy_checksum
+from lazyckpt.format.checksum import copy_checksum
 from lazyckpt.plan import Piece, Segment
 
 SegmentRef = tuple[int, Segment]

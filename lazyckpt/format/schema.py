@@ -10,10 +10,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from lazyckpt.checksum import ALGORITHM, CHUNK_BYTES, num_chunks
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.format import (FORMAT_NAME, READABLE_VERSIONS, SEAL_FIELD, check_shape, numel_of, parse_json,
-                             sha256_hex, torch_dtype)
+from lazyckpt.format.checksum import ALGORITHM, CHUNK_BYTES, num_chunks, sha256_hex
+from lazyckpt.format.header import check_shape, numel_of, parse_json, torch_dtype
+from lazyckpt.format.manifest import SEAL_FIELD
+from lazyckpt.format.names import FORMAT_NAME, READABLE_VERSIONS
 
 Check = Callable[[Any, str, dict[str, Any]], None]
 """A field check: (value, where (file and field, for the message), the whole document)."""

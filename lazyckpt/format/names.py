@@ -1,0 +1,32 @@
+"""The names of the on-disk format (docs/FORMAT.md): format version, files and directories of a checkpoint."""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_NAME = "lazyckpt"
+FORMAT_VERSION = 3
+"""Version 2 added the SHA-256 of every manifest and of every tensor file's header. Version 3 adds sharding: each
+stored tensor's box in its global tensor (rank manifests) and the global view of which rank holds which box
+(``manifest.json``); a version-2 reader would take a shard for the whole tensor, so it must refuse version 3.
+Versions 1 and 2 stay readable."""
+READABLE_VERSIONS = (1, 2, 3)
+MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+STEP_DIR = re.compile(r"step-([0-9]{7,})")
+"""Use with ``fullmatch``: ``match`` would accept a trailing newline."""
+SUPERSEDED_SUFFIX = ".superseded"
+"""A committed checkpoint moved aside (``on_older_step="move_aside"``): kept, never read by ``latest()``."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def rank_manifest(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
