@@ -19,7 +19,7 @@ import lazyckpt
 from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
                              SessionOptions, url_dirpath_levels)
-from lazyckpt.preflight import check_hyperparameters
+from lazyckpt.tree.preflight import check_hyperparameters
 
 from . import _compat
 from ._lightning_files import LazyFileOperationsMixin

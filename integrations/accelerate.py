@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.policy import CheckpointSession, Reporter, SessionOptions, UpdateLoop, project_defaults
-from lazyckpt.preflight import check_storable
+from lazyckpt.tree.preflight import check_storable
 
 from . import _compat
 from ._accelerate_rollback import AccelerateRollback

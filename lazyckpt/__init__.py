@@ -23,11 +23,10 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, C
 from lazyckpt.job import CheckpointStats
 from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
-from lazyckpt.preflight import check_storable
 from lazyckpt.reshard import load_into
 from lazyckpt.rng import capture_rng_state, restore_rng_state
-from lazyckpt.sharding import PerRank
-from lazyckpt.state import Deferred
+from lazyckpt.tree.encode import Deferred, PerRank
+from lazyckpt.tree.preflight import check_storable
 
 _INTEGRATIONS = {
     "LazyCheckpoint": "lazyckpt.integrations.lightning",

@@ -25,9 +25,9 @@ from lazyckpt.job import CheckpointJob, CheckpointStats
 from lazyckpt.plan import Piece, layout, plan_pieces
 from lazyckpt.sharding import Box
 from lazyckpt.staging import CopyBackend
-from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
 from lazyckpt.structure import StructureCache
+from lazyckpt.tree.encode import flatten
 
 
 def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],

@@ -37,7 +37,7 @@ from lazyckpt.reader import CheckpointReader, placeholders
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url
 from lazyckpt.tensor_io import read_tensor_bytes
-from lazyckpt.unflatten import unflatten
+from lazyckpt.tree.decode import unflatten
 
 PROGRESS_MIN_BYTES = 256 << 20
 """``verify`` shows a progress bar from this many tensor bytes on (smaller ones finish before it would draw)."""

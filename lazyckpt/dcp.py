@@ -30,8 +30,8 @@ from lazyckpt.format.header import torch_dtype
 from lazyckpt.format.names import MANIFEST
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.reshard import ShardFiles
-from lazyckpt.state import tensor_key
 from lazyckpt.storage import Storage
+from lazyckpt.tree.paths import tensor_key
 
 
 class StorageReader(dcp.StorageReader):

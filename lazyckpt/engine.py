@@ -40,10 +40,10 @@ from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.rendezvous import default_store, group_rank
 from lazyckpt.staging import CopyBackend, make_backend
-from lazyckpt.state import encode_resolved, fill_deferred
 from lazyckpt.stats import StatsLog
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.threads import start_background_thread
+from lazyckpt.tree.encode import encode_resolved, fill_deferred
 from lazyckpt.writer import CallTask, SharedWriter
 
 logger = logging.getLogger(__name__)

@@ -26,8 +26,9 @@ import torch
 from lazyckpt.errors import IllegalTransitionError
 from lazyckpt.format.header import TensorEntry
 from lazyckpt.plan import Piece
-from lazyckpt.state import Deferred, Path
 from lazyckpt.stats import CheckpointStats
+from lazyckpt.tree.encode import Deferred
+from lazyckpt.tree.paths import Path
 
 
 class JobState(enum.Enum):

@@ -33,7 +33,7 @@ from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.plan import PIECE_BYTES, Piece, segment_runs
 from lazyckpt.reshard import tensor_targets
 from lazyckpt.snapshot_copy import Destinations, Transfer, copy_and_check
-from lazyckpt.unflatten import unflatten
+from lazyckpt.tree.decode import unflatten
 
 
 @dataclass(eq=False)

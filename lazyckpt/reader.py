@@ -23,7 +23,7 @@ from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.schema import check_member_name, parse_manifest
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.tensor_io import read_exact, read_tensor_bytes
-from lazyckpt.unflatten import unflatten
+from lazyckpt.tree.decode import unflatten
 
 Progress = Callable[[int], None]
 """Called with the number of tensor bytes just read and checked."""

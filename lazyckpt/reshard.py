@@ -26,11 +26,11 @@ from lazyckpt.format.checksum import CHUNK_BYTES
 from lazyckpt.format.header import torch_dtype
 from lazyckpt.reader import CheckpointReader, RankFile
 from lazyckpt.sharding import is_dtensor
-from lazyckpt.state import flatten
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
 from lazyckpt.tensor_io import check_chunks, read_exact
-from lazyckpt.unflatten import unflatten
+from lazyckpt.tree.decode import unflatten
+from lazyckpt.tree.encode import flatten
 
 
 class ShardFiles:

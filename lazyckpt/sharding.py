@@ -6,7 +6,7 @@
   tensors land on different replicas.
 * A plain tensor is *replicated*: identical on every rank, written once in total. Owners are assigned by bytes,
   greedily and deterministically, so every rank computes the same plan without communicating.
-* A tensor under :class:`PerRank` belongs to its rank alone and comes back to that rank.
+* A tensor under :class:`~lazyckpt.PerRank` belongs to its rank alone and comes back to that rank.
 
 Nothing here touches bytes or talks to other ranks; the signature of a plan is what ranks compare to detect
 state that is not the same on every rank.
@@ -25,24 +25,6 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import UnsupportedValueError
-
-
-class PerRank:
-    """A leaf of ``state`` that belongs to this rank alone (RNG states, data loader positions).
-
-    Without it, every tensor that is not a ``DTensor`` is taken to be replicated (identical on every rank) and is
-    written once in total. A ``PerRank`` value is written by its rank and comes back to the same rank.
-
-    Example:
-        >>> ckpt.save({"model": msd, "rng": PerRank(lazyckpt.capture_rng_state())}, step=10)  # doctest: +SKIP
-    """
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        if isinstance(value, PerRank):
-            raise TypeError("PerRank(PerRank(...)) is redundant; wrap the value once")
-        self.value = value
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +132,7 @@ def plan_ownership(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *
     """Every leaf, with the tensor this rank would write and whether it writes it (same order as ``leaves``).
 
     ``coordinated``: the ranks agree on one global state (a store to meet through, or a single rank). Without
-    it, every rank's tensors are its own, as if each were under :class:`PerRank`, and DTensors are refused.
+    it, every rank's tensors are its own, as if each were under :class:`~lazyckpt.PerRank`, and DTensors are refused.
     """
     owned: dict[str, Owned] = {}
     replicated = []

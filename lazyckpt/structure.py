@@ -17,7 +17,7 @@ import torch
 
 from lazyckpt.format.header import TensorEntry, dtype_name
 from lazyckpt.sharding import Box, is_dtensor, local_shard, plan_ownership, plan_signature
-from lazyckpt.state import path_str
+from lazyckpt.tree.paths import path_str
 
 _KEPT_STRUCTURES = 4
 """A loop may alternate a few structures (e.g. a model-only save between full ones); more is not a loop."""

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import lazyckpt
 from _distributed import run_ranks, two_ranks_meeting
 from lazyckpt.errors import CommitAbandoned
-from lazyckpt.state import flatten
+from lazyckpt.tree.encode import flatten
 
 
 def _manifest(path, rank):

@@ -18,9 +18,9 @@ from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import IllegalTransitionError
 from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.staging.cpu import CpuCopyBackend
-from lazyckpt.state import Deferred
 from lazyckpt.stats import CheckpointStats
 from lazyckpt.storage import LocalStorage
+from lazyckpt.tree.encode import Deferred
 
 BOUND = 30.0  # seconds a wait may take before the test calls it a hang
 

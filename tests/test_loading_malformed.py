@@ -106,7 +106,7 @@ def test_deeply_nested_manifest_is_a_format_error(tmp_path):
 def test_decoding_a_torch_dtype_tag_imports_no_module(tmp_path):
     code = (
         "import sys, torch\n"
-        "from lazyckpt.unflatten import unflatten\n"
+        "from lazyckpt.tree.decode import unflatten\n"
         "from lazyckpt.errors import CheckpointFormatError\n"
         "assert 'torch.onnx' not in sys.modules\n"
         "try:\n    unflatten({'$torch_dtype': 'onnx'}, {})\nexcept CheckpointFormatError:\n    pass\n"

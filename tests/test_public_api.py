@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import lazyckpt
-from lazyckpt import engine, loading, state
+from lazyckpt import engine, loading
+from lazyckpt.tree import encode as state
 
 
 def test_exports_are_the_original_objects():

@@ -69,7 +69,7 @@ def _ranks(value: Any, where: str, doc: dict[str, Any]) -> None:
 
 
 def _anything(value: Any, where: str, doc: dict[str, Any]) -> None:
-    """The tree is checked by decoding it (lazyckpt.unflatten), which load and verify both do."""
+    """The tree is checked by decoding it (lazyckpt.tree.decode), which load and verify both do."""
 
 
 def _tensor_table(schema: dict[str, Check]) -> Check:

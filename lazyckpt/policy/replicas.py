@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from lazyckpt.sharding import PerRank, is_dtensor
+from lazyckpt.sharding import is_dtensor
+from lazyckpt.tree.encode import PerRank
 
 
 def synchronized_storages(optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[Any]) -> set[int]:

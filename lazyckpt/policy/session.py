@@ -36,9 +36,9 @@ from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_
 from lazyckpt.remote.catalog import newest_checkpoint
 from lazyckpt.rendezvous import default_store
 from lazyckpt.retention import steps_to_purge
-from lazyckpt.sharding import PerRank
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import options_for
+from lazyckpt.tree.encode import PerRank
 
 logger = logging.getLogger(__name__)
 _OPEN: dict[str, CheckpointSession] = {}

@@ -4,7 +4,7 @@ Every container is tagged, so decoding gives back exactly the structure that was
 tuple, int dict keys stay ints, ``nan``/``inf`` survive. Common non-JSON values get typed encodings; decoding
 only ever builds plain data (it never imports a module or calls a constructor named by the file), so a dataclass
 comes back as a dict and an Enum member as its value. OmegaConf configs, numpy string arrays, tuple keys and
-sparse tensors have encodings of their own (``lazyckpt.values``). Anything else is refused at ``save()`` with
+sparse tensors have encodings of their own (:mod:`lazyckpt.tree.values`). Anything else is refused at ``save()`` with
 its key path; :func:`lazyckpt.check_storable` finds such values before training starts.
 """
 
@@ -14,19 +14,18 @@ import argparse
 import base64
 import dataclasses
 import enum
-import functools
 import math
 import pathlib
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 import torch
 
-from lazyckpt import values
 from lazyckpt.errors import UnsupportedValueError
-from lazyckpt.sharding import PerRank
+from lazyckpt.format.header import dtype_name
+from lazyckpt.tree import values
+from lazyckpt.tree.paths import Path, path_str, tensor_key
 
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 """Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""
@@ -51,32 +50,22 @@ class Deferred:
         self.fn = fn
 
 
-Path = tuple["str | int | tuple", ...]
+class PerRank:
+    """A leaf of ``state`` that belongs to this rank alone (RNG states, data loader positions).
 
+    Without it, every tensor that is not a ``DTensor`` is taken to be replicated (identical on every rank) and is
+    written once in total. A ``PerRank`` value is written by its rank and comes back to the same rank.
 
-def path_str(path: Path) -> str:
-    """A readable key path for messages, e.g. ``state['optimizer']['state'][0]``."""
-    return "state" + "".join(f"[{p!r}]" for p in path)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def tensor_key(path: Path) -> str:
-    """The tensor's name in the safetensors file: escaped components joined by ``/``; never collides.
-
-    Cached: a training loop saves the same paths every time, and quoting was a quarter of ``save()``'s time.
+    Example:
+        >>> ckpt.save({"model": msd, "rng": PerRank(lazyckpt.capture_rng_state())}, step=10)  # doctest: +SKIP
     """
-    if not path:
-        return "%24"
-    return "/".join(_key_part(p) for p in path)
 
+    __slots__ = ("value",)
 
-def _key_part(part: str | int | tuple) -> str:
-    # quote() escapes "[" and "(", so int ("[3]") and tuple ("(...)") parts never look like a str part.
-    if isinstance(part, int):
-        return f"[{part}]"
-    if isinstance(part, tuple):
-        return f"({quote(repr(part), safe='')})"
-    return quote(part, safe="")
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, PerRank):
+            raise TypeError("PerRank(PerRank(...)) is redundant; wrap the value once")
+        self.value = value
 
 
 class _Flattener:
@@ -200,8 +189,6 @@ def fill_deferred(tree: Any, resolved: list[Any]) -> Any:
 
 
 def encode_inline_tensor(tensor: torch.Tensor, path: Path) -> dict[str, Any]:
-    from lazyckpt.format.header import dtype_name
-
     data = tensor.detach().to("cpu").contiguous()
     nbytes = data.numel() * data.element_size()
     if nbytes > MAX_INLINE_TENSOR_BYTES:

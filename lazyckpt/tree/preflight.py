@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lazyckpt.errors import UnsupportedValueError
-from lazyckpt.state import flatten
+from lazyckpt.tree.encode import flatten
 
 
 def check_storable(state: Mapping[Any, Any], *, what: str = "the state",

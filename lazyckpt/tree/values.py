@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from lazyckpt.errors import CheckpointFormatError, UnsupportedValueError
+from lazyckpt.format.header import check_shape
+from lazyckpt.tree.paths import path_str
 
 UNHANDLED = object()
 """Returned by :func:`encode_value` for a value that is none of the kinds here."""
@@ -77,7 +79,7 @@ def encode_sparse(tensor: torch.Tensor, path: tuple, store: Store) -> dict[str, 
         parts = {"layout": _COMPRESSED[t.layout], "compressed_indices": compressed, "plain_indices": plain,
                  "values": t.values()}
     else:
-        raise UnsupportedValueError(f"{_where(path)} is a {t.layout} tensor; call .to_dense() first")
+        raise UnsupportedValueError(f"{path_str(path)} is a {t.layout} tensor; call .to_dense() first")
     # The parts hang below the tensor's own path: it is a leaf, so no saved key can collide with them.
     encoded = {k: store(v, (*path, f"${k}")) if isinstance(v, torch.Tensor) else v for k, v in parts.items()}
     return {"$sparse": {**encoded, "size": list(t.shape)}}
@@ -90,7 +92,7 @@ def encode_key(key: Any, path: tuple, encode: Encode) -> Any:
     if isinstance(key, tuple) and _plain_key(key):
         return encode(key, path)
     raise UnsupportedValueError(
-        f"{_where(path)} has a key {key!r} of type {type(key).__name__}; str, int and tuples of str/int/float/"
+        f"{path_str(path)} has a key {key!r} of type {type(key).__name__}; str, int and tuples of str/int/float/"
         "bool/None keys are stored (convert the key, e.g. str(key))")
 
 
@@ -98,12 +100,6 @@ def _plain_key(key: Any) -> bool:
     if isinstance(key, tuple):
         return all(_plain_key(k) for k in key)
     return isinstance(key, _KEY_SCALARS) and type(key).__module__ == "builtins"
-
-
-def _where(path: tuple) -> str:
-    from lazyckpt.state import path_str
-
-    return path_str(path)
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -160,7 +156,6 @@ def _import_omegaconf() -> Any:
 
 
 def _decode_strings(value: Any, path: str, decoder: Decoder) -> np.ndarray:
-    from lazyckpt.format.header import check_shape
 
     dtype = np.dtype(value["dtype"])
     items = value["items"]

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt import values
 from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.format.header import check_shape, numel_of, torch_dtype
+from lazyckpt.tree import values
 
 _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -121,8 +122,6 @@ class _Decoder:
 
 
 def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
-    from lazyckpt.format.header import check_shape, numel_of, torch_dtype
-
     dtype = torch_dtype(value["dtype"], "inline tensor")
     shape = check_shape(value["shape"], "inline tensor")
     raw = bytearray(base64.b64decode(value["data"], validate=True))
