@@ -23,7 +23,8 @@ from lazyckpt.format.manifest import global_index, tensor_summary, tensor_table_
 from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.job import CheckpointJob, CheckpointStats
 from lazyckpt.plan import Piece, layout, plan_pieces
-from lazyckpt.sharding import Box
+from lazyckpt.ranks.replicas import window_tensors
+from lazyckpt.ranks.sharding import Box, local_tensor
 from lazyckpt.staging import CopyBackend
 from lazyckpt.storage import Storage
 from lazyckpt.structure import StructureCache
@@ -33,40 +34,11 @@ from lazyckpt.tree.encode import flatten
 def immutable_storages(optimizers: Iterable[torch.optim.Optimizer],
                        immutable: Iterable[torch.Tensor | torch.nn.Module]) -> set[tuple[torch.device, int]]:
     """Identities of the storages that stay unchanged until the next optimizer update."""
-    found: set[tuple[torch.device, int]] = set()
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            found.add(_storage_id(_local(t)))
-
-    for opt in optimizers:
-        if not hasattr(opt, "param_groups"):
-            raise TypeError(f"optimizers must hold torch optimizers; got {type(opt).__name__}")
-        for group in opt.param_groups:
-            for p in group["params"]:
-                add(p)
-        for per_param in opt.state.values():
-            for value in per_param.values():
-                add(value)
-    for item in immutable:
-        if isinstance(item, torch.nn.Module):
-            for p in item.parameters():
-                add(p)
-        elif isinstance(item, torch.Tensor):
-            add(item)
-        else:
-            raise TypeError(f"immutable must hold tensors or nn.Modules; got {type(item).__name__}")
-    return found
+    return {_storage_id(local_tensor(t)) for t in window_tensors(optimizers, immutable)}
 
 
 def _storage_id(tensor: torch.Tensor) -> tuple[torch.device, int]:
     return tensor.device, tensor.untyped_storage().data_ptr()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor that holds a DTensor's bytes (the tensor itself otherwise)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 @torch.no_grad()  # DTensor.to_local() then returns the local shard itself instead of going through autograd
@@ -76,7 +48,7 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
                 agree: Callable[[str], None] | None) -> CheckpointJob:
     """Build the job for one ``save()``; eager tensors are copied before this returns.
 
-    Only the tensors this rank owns are planned (see :mod:`lazyckpt.sharding`). ``agree`` publishes the plan's
+    Only the tensors this rank owns are planned (see :mod:`lazyckpt.ranks.sharding`). ``agree`` publishes the plan's
     signature to the other ranks (None: no store); it raises when it met them and their states do not agree.
     """
     tree, leaves, deferred, per_rank = flatten(state)

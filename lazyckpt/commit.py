@@ -2,7 +2,7 @@
 
 Order, for every rank: tensor file fsynced -> ``rank-NNNNN.json`` written atomically. Then the ranks meet:
 
-* through the process group's store (a :class:`~lazyckpt.rendezvous.Rendezvous`): each rank publishes that its
+* through the process group's store (a :class:`~lazyckpt.ranks.rendezvous.Rendezvous`): each rank publishes that its
   files are durable, with its tensor boxes; once every rank of the job has, each directory's leader writes
   ``manifest.json`` (the global view of every tensor) and commits. No file is read to meet, so ranks need no
   shared directory, and every key belongs to one attempt, so a manifest left by a failed attempt never counts;
@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable
 
 from lazyckpt._version import __version__
 from lazyckpt.format.manifest import encode_manifest, global_index, rank_manifest_doc, tensor_summary, top_manifest_doc
 from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest
 from lazyckpt.format.schema import check_global_tensors
 from lazyckpt.job import CheckpointJob
-from lazyckpt.rendezvous import Rendezvous
+from lazyckpt.ranks.rendezvous import Rendezvous, poll_until
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -93,20 +91,10 @@ def _roll_back(job: CheckpointJob, storage: Storage, error: BaseException) -> bo
 def wait_for_other_ranks(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
     """Rank 0: block until every other rank's manifest is in the partial directory (its file is durable)."""
     others = [os.path.join(job.partial_dir, rank_manifest(r)) for r in range(1, job.world_size)]
-    _wait_for(lambda: all(storage.stat(p) is not None for p in others), timeout_s,
+    poll_until(lambda: all(storage.stat(p) is not None for p in others), timeout_s,
               f"the other {job.world_size - 1} rank(s) to make their files in {job.partial_dir} durable")
 
 
 def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
     """Ranks other than 0: block until rank 0 renamed the directory to its final name."""
-    _wait_for(lambda: storage.stat(job.final_dir) is not None, timeout_s, f"rank 0 to commit {job.final_dir}")
-
-
-def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    # Polling the storage is the only rendezvous available off the training thread.
-    deadline, delay = time.monotonic() + timeout_s, 0.005
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"lazyckpt: gave up after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+    poll_until(lambda: storage.stat(job.final_dir) is not None, timeout_s, f"rank 0 to commit {job.final_dir}")

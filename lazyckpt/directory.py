@@ -17,7 +17,7 @@ from lazyckpt.errors import StepOrderError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.housekeeping import move_aside, remove_partials
-from lazyckpt.rendezvous import Rendezvous
+from lazyckpt.ranks.rendezvous import Rendezvous
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import Storage
 

@@ -36,9 +36,9 @@ from lazyckpt.job import CheckpointJob, JobState
 from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.memory_level import MemoryLevel
 from lazyckpt.pending import PendingCheckpoint, remaining
+from lazyckpt.ranks.group import default_store, rank_and_size
 from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, open_remote_level
-from lazyckpt.rendezvous import default_store, group_rank
 from lazyckpt.staging import CopyBackend, make_backend
 from lazyckpt.stats import StatsLog
 from lazyckpt.storage import LocalStorage, Storage
@@ -76,7 +76,8 @@ class LazyCheckpointer:
     def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
                  backend: CopyBackend | None = None, store: Any = GROUP_STORE, **options: Any) -> None:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
-        self.config = CheckpointConfig(**group_rank(options))
+        rank, world_size = rank_and_size(options.pop("rank", None), options.pop("world_size", None))
+        self.config = CheckpointConfig(rank=rank, world_size=world_size, **options)
         self.dirpath = normalize_dirpath(dirpath)
         if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
             self.dirpath, self.config = split_levels(self.dirpath, self.config)

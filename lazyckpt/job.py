@@ -93,7 +93,7 @@ class CheckpointJob:
     tree_complete: bool = False
     """True once the Deferred leaves are in the tree (at once when there are none)."""
     boxes: dict[str, Any] = field(default_factory=dict)
-    """Per written key: its :class:`~lazyckpt.sharding.Box` in the global tensor, None for a tensor of this rank
+    """Per written key: its :class:`~lazyckpt.ranks.sharding.Box` in the global tensor, None for a tensor of this rank
     alone."""
     attempt: int = 0
     """This checkpointer's save counter, the same on every rank: the key of this attempt's rendezvous."""

@@ -15,7 +15,7 @@ from lazyckpt.commit import commit
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.format.names import rank_manifest
 from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.rendezvous import Rendezvous
+from lazyckpt.ranks.rendezvous import Rendezvous
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,9 @@ import torch
 from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format.checksum import CHUNK_BYTES
 from lazyckpt.format.header import torch_dtype
+from lazyckpt.ranks.group import rank_and_size
+from lazyckpt.ranks.sharding import is_dtensor, local_block
 from lazyckpt.reader import CheckpointReader, RankFile
-from lazyckpt.sharding import is_dtensor
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
 from lazyckpt.tensor_io import check_chunks, read_exact
@@ -142,13 +143,7 @@ def target_block(key: str, target: torch.Tensor, global_shape: list[int]) -> tup
         raise CheckpointMismatchError(f"tensor {key!r} has global shape {global_shape} in the checkpoint, the "
                                       f"target {kind} {list(target.shape)}")
     if is_dtensor(target):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offsets = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        local = target.to_local()
-        if local.dim() and local.shape[0] != shape[0]:  # uneven shards padded by their owner (e.g. FSDP2)
-            local = local.narrow(0, 0, shape[0])
-        return local, tuple(offsets)
+        return local_block(target)
     return target, (0,) * target.dim()
 
 
@@ -177,7 +172,7 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
     Raises:
         CheckpointMismatchError: a target's key, dtype or global shape is not in the checkpoint.
     """
-    rank = _this_rank() if rank is None else rank
+    rank, _ = rank_and_size(rank)
     targets = tensor_targets(state)
     reader = CheckpointReader(*storage_for(path, storage, storage_options))
     own = rank < reader.world_size
@@ -214,12 +209,6 @@ def _copy_whole(files: ShardFiles, rank: int, key: str, target: torch.Tensor) ->
                                       f"target {target.dtype}{list(target.shape)}")
     with torch.no_grad():
         target.copy_(stored)
-
-
-def _this_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _drop_per_rank(tree: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lazyckpt.format.header import TensorEntry, dtype_name
-from lazyckpt.sharding import Box, is_dtensor, local_shard, plan_ownership, plan_signature
+from lazyckpt.ranks.sharding import Box, is_dtensor, local_shard, plan_ownership, plan_signature
 from lazyckpt.tree.paths import path_str
 
 _KEPT_STRUCTURES = 4

@@ -63,9 +63,9 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 240.0, meet
 
 
 def two_ranks_meeting(dirpath: str, store=None, timeout_s: float = 0.5):
-    """``(rank 0, rank 1)`` :class:`~lazyckpt.rendezvous.Rendezvous` of one process, built on two threads (they
+    """``(rank 0, rank 1)`` :class:`~lazyckpt.ranks.rendezvous.Rendezvous` of one process, built on two threads (they
     meet at construction) through ``store`` (default: a fresh ``HashStore``)."""
-    from lazyckpt.rendezvous import Rendezvous
+    from lazyckpt.ranks.rendezvous import Rendezvous
     from lazyckpt.storage import LocalStorage
 
     store = torch.distributed.HashStore() if store is None else store

@@ -85,7 +85,7 @@ def test_the_free_space_estimate_covers_sharded_tables_and_the_global_index():
     from lazyckpt.format.manifest import global_index, rank_manifest_doc, tensor_summary
     from lazyckpt.format.header import TensorEntry
     from lazyckpt.plan import layout
-    from lazyckpt.sharding import Box
+    from lazyckpt.ranks.sharding import Box
 
     world_size, rows = 4, 1_000_000
     entries, _ = layout([TensorEntry(f"layer{i}.weight", "F32", (rows // world_size, 8), rows // world_size * 32)

@@ -15,10 +15,10 @@ import lazyckpt
 from _distributed import run_ranks
 from _remote_helpers import FlakyRemote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from lazyckpt.errors import CommitAbandoned
+from lazyckpt.ranks.group import default_store
 from lazyckpt.remote import fetch
 from lazyckpt.remote.catalog import remote_steps
 from lazyckpt.remote.rendezvous import StoreMeeting
-from lazyckpt.rendezvous import default_store
 from lazyckpt.storage.fsspec import FsspecStorage
 
 

@@ -11,7 +11,7 @@ import torch
 import lazyckpt
 from _distributed import run_ranks
 from lazyckpt.errors import CommitAbandoned
-from lazyckpt.rendezvous import default_store
+from lazyckpt.ranks.group import default_store
 
 MISMATCH = r"on rank 1 differs from rank\(s\) \[0\] in its tensor keys.*lazyckpt.PerRank"
 

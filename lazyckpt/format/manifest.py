@@ -40,7 +40,7 @@ def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree:
                       entries: list[TensorEntry], checksums: dict[str, list[str]],
                       boxes: dict[str, Any]) -> dict[str, Any]:
     """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding);
-    ``boxes`` maps each key to its :class:`~lazyckpt.sharding.Box` (None: a tensor of this rank alone)."""
+    ``boxes`` maps each key to its :class:`~lazyckpt.ranks.sharding.Box` (None: a tensor of this rank alone)."""
     tensors = tensor_table_doc(entries, checksums, boxes)
     return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
                     "world_size": world_size, "file": file,

@@ -32,9 +32,9 @@ from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
-from lazyckpt.policy.replicas import keep_unsynchronized_per_rank, synchronized_storages
+from lazyckpt.ranks.group import default_store
+from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.rendezvous import default_store
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import options_for
@@ -129,7 +129,7 @@ class CheckpointSession:
         they are written once in total, each rank writing its share by bytes (every rank passes them, so every
         rank must call this for the same steps); without a group rank 0 alone writes them. Only the tensors of
         ``optimizers`` and ``immutable`` are known to agree across ranks: other tensors (buffers, metrics) are
-        kept per rank (:mod:`lazyckpt.policy.replicas`). Their ``optimizers``
+        kept per rank (:mod:`lazyckpt.ranks.replicas`). Their ``optimizers``
         and ``immutable`` tensors are copied lazily. Every rank's ``per_rank`` values (RNG states, loader
         positions) are :class:`~lazyckpt.PerRank`: they come back to the same rank. ``replicated`` may be a
         function: without a group only rank 0 builds it.

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lazyckpt.ranks.group import rank_and_size
 from lazyckpt.reader import CheckpointReader
 from lazyckpt.reshard import load_into
 from lazyckpt.storage.urls import storage_for
@@ -69,7 +70,7 @@ def restore_sharded(path: str | os.PathLike[str], module: torch.nn.Module, optim
     Raises:
         CheckpointMismatchError: a parameter or optimizer state of this run is not in the checkpoint.
     """
-    rank, world_size = _group_rank(rank, world_size)
+    rank, world_size = rank_and_size(rank, world_size)
     saved = CheckpointReader(*storage_for(os.fspath(path), None, storage_options)).world_size
     source = per_rank_source(rank, world_size, saved)
     key, index = (model_key, None) if isinstance(model_key, str) else model_key
@@ -96,14 +97,6 @@ def set_sharded_states(module: torch.nn.Module, optimizers: list[torch.optim.Opt
     set_model_state_dict(module, model_state)
     for optimizer, state in zip(optimizers, optimizer_states):
         set_optimizer_state_dict(module, optimizer, state)
-
-
-def _group_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    grouped = dist.is_available() and dist.is_initialized()
-    return (rank if rank is not None else dist.get_rank() if grouped else 0,
-            world_size if world_size is not None else dist.get_world_size() if grouped else 1)
 
 
 def _report_changed_ranks(path: str, source: PerRankSource, rank: int, world_size: int, run_keys: Collection[str],

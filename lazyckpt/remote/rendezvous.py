@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lazyckpt.commit import _wait_for
 from lazyckpt.format.names import MANIFEST, rank_manifest
-from lazyckpt.rendezvous import Rendezvous
+from lazyckpt.ranks.rendezvous import Rendezvous, poll_until
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
 
@@ -61,11 +60,11 @@ class RemoteMeeting:
 
     def commit(self, attempt: str, step_url: str, write_commit: Callable[[], int]) -> int:
         if self.rank != 0:
-            _wait_for(lambda: self.storage.stat(join(step_url, MANIFEST)) is not None, self.timeout_s,
+            poll_until(lambda: self.storage.stat(join(step_url, MANIFEST)) is not None, self.timeout_s,
                       f"rank 0 to commit {step_url} ({TIMEOUT_OPTION})")
             return 0
         others = [join(step_url, rank_manifest(r)) for r in range(1, self.world_size)]  # its own is up already
-        _wait_for(lambda: all(self.storage.stat(name) is not None for name in others), self.timeout_s,
+        poll_until(lambda: all(self.storage.stat(name) is not None for name in others), self.timeout_s,
                   f"the other {self.world_size - 1} rank(s) to upload their files to {step_url} ({TIMEOUT_OPTION})")
         return write_commit()
 

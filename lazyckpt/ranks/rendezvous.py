@@ -38,26 +38,6 @@ _INSTANCES: dict[tuple[int, int], int] = {}
 """Checkpointers built per (store, rank) in this process: all ranks build them in the same order."""
 
 
-def default_store() -> Any | None:
-    """The store of the initialized default process group, or None outside one."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-def group_rank(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``rank`` and ``world_size`` from the initialized default process group, unless given."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        options = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), **options}
-    return options
-
-
 class Rendezvous:
     """One checkpointer's meeting point with its peer ranks (see the module docstring)."""
 
@@ -201,17 +181,35 @@ class Rendezvous:
         # Polled with a cap, not store.wait(): a failure key must end the wait as soon as it appears.
         failed = None if attempt is None else f"{self.prefix}/{attempt}/failed"
         seconds, option = timeout if timeout is not None else (self.timeout_s, "commit_timeout_s")
-        deadline, delay = time.monotonic() + seconds, 0.001
-        while not self.store.check(keys):
+
+        def arrived() -> bool:
+            if self.store.check(keys):
+                return True
             if failed is not None and self.store.check([failed]):
                 raise CommitAbandoned(f"lazyckpt: {self.store.get(failed).decode()}; no rank commits this attempt")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"lazyckpt: gave up after {seconds:g}s ({option}) waiting for {what}"
-                                   "; a rank failed or died, so no rank commits this checkpoint")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            return False
+
+        poll_until(arrived, seconds, f"{what} ({option}); a rank failed or died, so no rank commits this checkpoint",
+                   first_delay=0.001, max_delay=0.05)
 
     def _get(self, key: str) -> bytes:
         self._wait([key], f"rank 0 to create the checkpointer ({key})")
         return self.store.get(key)
 
+
+
+def poll_until(predicate: Callable[[], bool], timeout_s: float, what: str, *, first_delay: float = 0.005,
+               max_delay: float = 0.1) -> None:
+    """Call ``predicate`` until it holds, backing off from ``first_delay`` to ``max_delay`` between calls: how ranks
+    wait for each other off the training thread (store keys, or files on a level every rank sees), where a
+    collective is not allowed.
+
+    Raises:
+        TimeoutError: ``predicate`` did not hold within ``timeout_s`` seconds (the message names ``what``).
+    """
+    deadline, delay = time.monotonic() + timeout_s, first_delay
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"lazyckpt: gave up after {timeout_s:g}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, max_delay)

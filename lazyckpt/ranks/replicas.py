@@ -8,26 +8,43 @@ every rank would resume them wrongly, so they stay :class:`~lazyckpt.PerRank` an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from lazyckpt.sharding import is_dtensor
+from lazyckpt.ranks.sharding import is_dtensor
 from lazyckpt.tree.encode import PerRank
 
 
-def synchronized_storages(optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[Any]) -> set[int]:
-    """Storage addresses of the optimizers' parameters and state, and of the ``immutable`` tensors and modules."""
-    tensors: list[torch.Tensor] = []
+def window_tensors(optimizers: Iterable[torch.optim.Optimizer],
+                   immutable: Iterable[torch.Tensor | torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """Every tensor of the immutability window: the optimizers' parameters and state tensors, the ``immutable``
+    tensors and the parameters of the ``immutable`` modules. They stay unchanged until the next update, so a save
+    copies them lazily, and a data-parallel run keeps them the same on every rank.
+
+    Raises:
+        TypeError: an optimizer is not a torch optimizer, or an ``immutable`` item neither tensor nor module.
+    """
     for opt in optimizers:
+        if not hasattr(opt, "param_groups"):
+            raise TypeError(f"optimizers must hold torch optimizers; got {type(opt).__name__}")
         for group in opt.param_groups:
-            tensors.extend(group["params"])
+            yield from group["params"]
         for per_param in opt.state.values():
-            tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+            yield from (v for v in per_param.values() if isinstance(v, torch.Tensor))
     for item in immutable:
-        tensors.extend(item.parameters() if isinstance(item, torch.nn.Module) else [item])
-    return {_address(t) for t in tensors if not is_dtensor(t)}
+        if isinstance(item, torch.nn.Module):
+            yield from item.parameters()
+        elif isinstance(item, torch.Tensor):
+            yield item
+        else:
+            raise TypeError(f"immutable must hold tensors or nn.Modules; got {type(item).__name__}")
+
+
+def synchronized_storages(optimizers: Iterable[torch.optim.Optimizer], immutable: Iterable[Any]) -> set[int]:
+    """Storage addresses of the window's plain tensors (:func:`window_tensors`; DTensors are sharded state)."""
+    return {_address(t) for t in window_tensors(optimizers, immutable) if not is_dtensor(t)}
 
 
 def keep_unsynchronized_per_rank(value: Any, synchronized: set[int]) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import UnsupportedValueError
+from lazyckpt.tree.paths import path_str
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +75,33 @@ def shard_of(key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, Box, bool]:
     placements = tuple(tensor.placements)
     if any(isinstance(p, Partial) for p in placements):
         raise UnsupportedValueError(
-            f"state[{key!r}] is a DTensor with a Partial placement {placements}: its value is a pending reduction, "
+            f"{path_str((key,))} is a DTensor with a Partial placement {placements}: its value is a pending reduction, "
             "not stored data; call .redistribute(placements=[Replicate()] or [Shard(d)]) or .full_tensor() first")
     where = _placement(tuple(tensor.shape), tensor.device_mesh, placements)
     if where is None:
-        raise UnsupportedValueError(f"state[{key!r}] is a DTensor on a mesh this rank is not part of; pass only "
+        raise UnsupportedValueError(f"{path_str((key,))} is a DTensor on a mesh this rank is not part of; pass only "
                                     "tensors this rank holds")
     local_shape, offsets, replicas, index = where
     writer = zlib.crc32(key.encode("utf-8")) % replicas
     return local_shard(tensor, local_shape), Box(tuple(tensor.shape), offsets), index == writer
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor that holds a DTensor's bytes (the tensor itself otherwise)."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A DTensor's shard on this rank (without padding) and its offsets in the global tensor.
+
+    Raises:
+        ValueError: this rank is not part of the tensor's mesh.
+    """
+    where = _placement(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+    if where is None:
+        raise ValueError("the DTensor's mesh does not include this rank, which therefore holds none of its bytes")
+    local_shape, offsets, _, _ = where
+    return local_shard(tensor, local_shape), offsets
 
 
 def local_shard(tensor: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,7 +158,7 @@ def plan_ownership(leaves: list[tuple[str, torch.Tensor]], per_rank: set[str], *
     for key, tensor in leaves:
         if not coordinated and is_dtensor(tensor):
             raise UnsupportedValueError(
-                f"state[{key!r}] is a DTensor, but the {world_size} ranks have no store to agree through: initialize "
+                f"{path_str((key,))} is a DTensor, but the {world_size} ranks have no store to agree through: initialize "
                 "the default process group (torch.distributed.init_process_group) before building the "
                 "LazyCheckpointer, or pass store=...")
         if key in per_rank or not coordinated:
