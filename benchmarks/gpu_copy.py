@@ -147,7 +147,7 @@ def triton_copy(sources, dst, segments, stream, cache, **options) -> None:
 
 def correctness(bench: Bench, rows: list[dict]) -> None:
     import lazyckpt
-    from lazyckpt.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
+    from lazyckpt.write.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
 
     torch.manual_seed(0)
     width = 2048 if bench.args.quick else 4096
@@ -248,10 +248,10 @@ def crossover(bench: Bench, rows: list[dict]) -> None:
 
 
 def staging(bench: Bench, rows: list[dict]) -> None:
-    from lazyckpt.plan import PIECE_BYTES, layout, plan_pieces
+    from lazyckpt.write.plan import PIECE_BYTES, layout, plan_pieces
     from lazyckpt.format.header import TensorEntry
-    from lazyckpt.staging.cuda import CudaCopyBackend
-    from lazyckpt.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
+    from lazyckpt.write.staging.cuda import CudaCopyBackend
+    from lazyckpt.write.staging.triton import AUTO_CE_MIN_BYTES, TritonCopyBackend
 
     slots = [t for t in torch.empty(8 * PIECE_BYTES, dtype=torch.uint8, pin_memory=True).split(PIECE_BYTES)]
     workloads = {"large": make_sources([bench.large_bytes // 4] * 4),

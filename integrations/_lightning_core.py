@@ -16,10 +16,10 @@ from typing import Any, ClassVar, Literal
 from typing_extensions import override
 
 import lazyckpt
-from lazyckpt.job import CheckpointStats
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
                              SessionOptions, url_dirpath_levels)
 from lazyckpt.tree.preflight import check_hyperparameters
+from lazyckpt.write.job import CheckpointStats
 
 from . import _compat
 from ._lightning_files import LazyFileOperationsMixin

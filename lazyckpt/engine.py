@@ -24,27 +24,25 @@ from typing import Any
 
 import torch
 
-from lazyckpt.capture import capture_job
 from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
-from lazyckpt.copier import Copier
 from lazyckpt.directory import CommittedSteps, meet_ranks
-from lazyckpt.errors import CheckpointDiscardedError, StepAlreadyCommittedError
+from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.names import step_dirname
 from lazyckpt.housekeeping import DirectoryLock
-from lazyckpt.inflight import InFlight, deliver_error
-from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.lifecycle import commit_job, discard, finalize
 from lazyckpt.memory_level import MemoryLevel
-from lazyckpt.pending import PendingCheckpoint, remaining
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.ranks.group import default_store, rank_and_size
 from lazyckpt.remote.options import split_levels
 from lazyckpt.remote.upload import RemoteLevel, open_remote_level
-from lazyckpt.staging import CopyBackend, make_backend
-from lazyckpt.stats import StatsLog
 from lazyckpt.storage import LocalStorage, Storage
-from lazyckpt.threads import start_background_thread
-from lazyckpt.tree.encode import encode_resolved, fill_deferred
-from lazyckpt.writer import CallTask, SharedWriter
+from lazyckpt.write.capture import capture_job
+from lazyckpt.write.commit import JobEnds
+from lazyckpt.write.copier import Copier
+from lazyckpt.write.inflight import InFlight, deliver_error
+from lazyckpt.write.job import CheckpointJob
+from lazyckpt.write.staging import CopyBackend, make_backend
+from lazyckpt.write.stats import StatsLog
+from lazyckpt.write.writer import SharedWriter
 
 logger = logging.getLogger(__name__)
 GROUP_STORE: Any = object()
@@ -60,7 +58,7 @@ class LazyCheckpointer:
         storage: file-system seam (default :class:`~lazyckpt.storage.LocalStorage`). Without it a URL
             ``dirpath`` (``s3://bucket/run``) is the remote level behind a local spool directory (docs/remote.md);
             with it, ``dirpath`` is passed to ``storage`` as it is.
-        backend: a ready :class:`~lazyckpt.staging.CopyBackend` instance, overriding ``copy_backend`` (for
+        backend: a ready :class:`~lazyckpt.write.staging.CopyBackend` instance, overriding ``copy_backend`` (for
             custom copy paths and tests).
         store: the ``torch.distributed`` key-value store the ranks meet through (default: the initialized
             process group's). With a store the ranks save one global state: DTensor leaves are written as shards
@@ -105,6 +103,9 @@ class LazyCheckpointer:
         self._writer = SharedWriter.get()
         self._steps = CommittedSteps(self.dirpath, self.storage, self.config, rendezvous=self._rendezvous,
                                      remote=self.remote)
+        self._ends = JobEnds(storage=self.storage, config=self.config, rendezvous=self._rendezvous,
+                             writer=self._writer, inflight=self._inflight, committed=self._on_committed,
+                             discarded=self._drop_if_discarded)
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -142,7 +143,7 @@ class LazyCheckpointer:
         if not self._make_room(step):
             warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
                           "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=2)
-            return PendingCheckpoint(self, None, step)
+            return PendingCheckpoint(self._ends.barrier, None, step)
         self._steps.check_order(step)
         self._attempts += 1
         attempt, rendezvous = self._attempts, self._rendezvous
@@ -155,7 +156,7 @@ class LazyCheckpointer:
             self._memory.begin(job)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
         upload = self.remote.ticket(job) if self.remote is not None else None
-        pending = PendingCheckpoint(self, job, step, upload)
+        pending = PendingCheckpoint(self._ends.barrier, job, step, upload)
         self._inflight.add(job, pending)
         self._copier.submit(job)
         job.stats.save_s = time.monotonic() - started
@@ -168,7 +169,7 @@ class LazyCheckpointer:
         re-raises a background failure.
         """
         if self._job is not None:
-            self._barrier(self._job)
+            self._ends.barrier(self._job)
         deliver_error(self._inflight.undelivered())
         self._deliver_remote_error()
 
@@ -216,7 +217,7 @@ class LazyCheckpointer:
         """
         self._check_open("discard")
         job = self._inflight.find(step)
-        aborted = job is not None and self._abort(job)
+        aborted = job is not None and self._ends.abort(job)
         removed = self.remove(step)
         forgotten = self._memory is not None and self._memory.forget(step)
         return aborted or removed or forgotten
@@ -234,7 +235,7 @@ class LazyCheckpointer:
             return  # a forked child (e.g. a DataLoader worker) owns none of the parent's threads or files
         try:
             for job in self._inflight.unfinished():
-                self._drain(job, deliver=False)
+                self._ends.drain(job, deliver=False)
             if self.remote is not None:
                 self.remote.close()
         finally:
@@ -273,9 +274,9 @@ class LazyCheckpointer:
         if self.config.on_busy is OnBusy.SKIP and newest is not None and (older or not newest.wait_staged(0)):
             return False
         if newest is not None:
-            self._barrier(newest)  # its copy is done and its tree complete, so it commits before the next one
+            self._ends.barrier(newest)  # its copy is done and its tree complete, so it commits before the next one
         for job in older:
-            self._drain(job)
+            self._ends.drain(job)
         return True
 
     def _deliver_remote_error(self) -> None:
@@ -287,84 +288,11 @@ class LazyCheckpointer:
             if self._backend is None:
                 self._backend = make_backend(self.config.copy_backend, tensors)
             self._copier = Copier(backend=self._backend, budget_bytes=self.config.host_buffer_bytes,
-                                  storage=self.storage, writer=self._writer, finalize=self._finalize,
+                                  storage=self.storage, writer=self._writer, finalize=self._ends.finalize,
                                   memory=self._memory, max_in_flight=self.config.max_in_flight)
         return self._backend
 
-    def _barrier(self, job: CheckpointJob, timeout: float | None = None) -> bool:
-        """Training thread: wait until ``job`` is staged, evaluate its Deferred leaves, and pass. Returns False
-        when ``timeout`` ran out first (the barrier is then still ahead)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not job.barrier_lock.acquire(timeout=-1 if deadline is None else remaining(deadline)):
-            return False
-        try:
-            if job.barrier_passed:
-                return True
-            started = time.monotonic()
-            if not job.wait_staged(remaining(deadline)):
-                return False
-            owns_commit = self._complete_tree(job)
-            job.barrier_passed = True
-            job.stats.wait_s += time.monotonic() - started
-        finally:
-            job.barrier_lock.release()
-        if owns_commit:  # the writer already closed the file: it will not commit this job, so queue it here
-            self._writer.submit(CallTask(job, lambda: self._commit_off_writer(job), always=True))
-        return True
-
-    def _complete_tree(self, job: CheckpointJob) -> bool:
-        """Put the Deferred leaves' values into the tree; True when that makes the caller own the commit."""
-        if job.failed:
-            return False
-        try:
-            if job.deferred:  # filling walks the whole tree: a few ms on the training thread for large states
-                resolved = [encode_resolved(d.fn(), path) for path, d in job.deferred]
-                job.tree = fill_deferred(job.tree, resolved)
-        except BaseException as e:  # noqa: BLE001 - delivered like any other failure of this checkpoint
-            if job.fail(e):  # the file is closed already, so no finalize will discard the job: do it here
-                self._discard_off_writer(job)
-            return False
-        return job.complete_tree()
-
-    def _discard_off_writer(self, job: CheckpointJob) -> None:
-        self._writer.submit(CallTask(job, lambda: (discard(job, self.storage, self._rendezvous),
-                                                   self._drop_if_discarded(job)), always=True))
-
-    def _abort(self, job: CheckpointJob) -> bool:
-        """Fail ``job`` on request and wait until it ended; True when it was discarded (not committed)."""
-        discarded = CheckpointDiscardedError(f"the checkpoint of step {job.step} was discarded by discard({job.step})")
-        if job.cancel(discarded):  # the file is closed already, so no finalize will discard the job: do it here
-            self._discard_off_writer(job)
-        if job.error is discarded:
-            job.error_delivered = True  # asked for: not a failure to report (an earlier real one still is)
-        self._drain(job, deliver=False)
-        return job.state is JobState.DISCARDED
-
-    def _drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
-        self._barrier(job)
-        job.wait_done()
-        if deliver:
-            deliver_error(job)
-
-    def _finalize(self, job: CheckpointJob) -> None:
-        """Writer thread, after the job's last write: make the file durable, then commit if the tree is complete."""
-        if finalize(job, self.storage, self.config, self._rendezvous):
-            self._commit_off_writer(job)  # the commit drops the job's memory slots if it ends discarded
-        else:
-            self._drop_if_discarded(job)
-
-    def _commit_off_writer(self, job: CheckpointJob) -> None:
-        """Writer thread. With several ranks the commit waits for the others, and any commit waits for the earlier
-        checkpoints to end: never block the shared writer."""
-        if job.world_size == 1 and not self._inflight.earlier(job):
-            self._commit(job)
-        else:
-            start_background_thread(self._commit, job, name="lazyckpt-commit")
-
-    def _commit(self, job: CheckpointJob) -> None:
-        self._inflight.wait_for_earlier(job)  # commits in request order: latest() never moves backwards
-        commit_job(job, self.storage, self.config, on_committed=self._on_committed, rendezvous=self._rendezvous)
-        self._drop_if_discarded(job)
+    # --- the levels' part of a job's end (JobEnds calls these) ------------------------------------------------
 
     def _drop_if_discarded(self, job: CheckpointJob) -> None:
         """A discarded job's slots kept for the memory level go back to the pool now (the next copy may wait)."""

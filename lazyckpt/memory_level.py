@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from lazyckpt.format.checksum import tensor_bytes
-from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.plan import PIECE_BYTES, Piece, segment_runs
 from lazyckpt.reshard import tensor_targets
 from lazyckpt.snapshot_copy import Destinations, Transfer, copy_and_check
 from lazyckpt.tree.decode import unflatten
+from lazyckpt.write.job import CheckpointJob, JobState
+from lazyckpt.write.plan import PIECE_BYTES, Piece, segment_runs, staging_slots
 
 
 @dataclass(eq=False)
@@ -61,13 +61,9 @@ class MemoryLevel:
 
     # --- sizing -----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def slots_per_checkpoint(job: CheckpointJob) -> int:
-        return sum(1 for piece in job.pieces if piece.lazy)
-
     def pool_bytes(self, job: CheckpointJob) -> int:
         """Staging memory the pool needs: the newest snapshot plus the checkpoint being written."""
-        return 2 * self.slots_per_checkpoint(job) * PIECE_BYTES
+        return 2 * staging_slots(job.pieces) * PIECE_BYTES
 
     def check_budget(self, job: CheckpointJob, budget_bytes: int | None) -> None:
         """Raise before anything is staged when ``host_buffer_bytes`` cannot hold two checkpoints."""
@@ -75,7 +71,7 @@ class MemoryLevel:
         if budget_bytes is not None and budget_bytes < needed:
             raise ValueError(
                 f"keep_in_memory=True needs host_buffer_bytes >= {needed} ({needed / 2**20:.0f} MiB: two checkpoints "
-                f"of {self.slots_per_checkpoint(job)} staging slots of {PIECE_BYTES >> 20} MiB, the newest snapshot "
+                f"of {staging_slots(job.pieces)} staging slots of {PIECE_BYTES >> 20} MiB, the newest snapshot "
                 f"and the one being written); got host_buffer_bytes={budget_bytes}. Raise it, pass None to size it "
                 "automatically, or turn keep_in_memory off")
 

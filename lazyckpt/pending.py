@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from lazyckpt.job import CheckpointJob
 from lazyckpt.remote.upload import RemoteUpload, wait_for_upload
+from lazyckpt.write.job import CheckpointJob, remaining
 
-if TYPE_CHECKING:
-    from lazyckpt.engine import LazyCheckpointer
+Barrier = Callable[[CheckpointJob, "float | None"], bool]
+"""Passes a job's barrier within a timeout (``JobEnds.barrier``); False when the timeout ran out first."""
 
 
 class PendingCheckpoint:
     """The handle ``save()`` returns. ``wait()`` gives the committed directory (``None`` if the request was skipped)."""
 
-    def __init__(self, checkpointer: LazyCheckpointer, job: CheckpointJob | None, step: int,
+    def __init__(self, barrier: Barrier, job: CheckpointJob | None, step: int,
                  upload: RemoteUpload | None = None) -> None:
-        self._checkpointer = checkpointer
+        self._barrier = barrier
         self._job = job
         self._upload = upload
         self.step = step
@@ -39,7 +39,7 @@ class PendingCheckpoint:
         if self._job is None:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not (self._checkpointer._barrier(self._job, timeout)
+        if not (self._barrier(self._job, timeout)
                 and self._job.wait_done(remaining(deadline))):
             raise TimeoutError(f"checkpoint of step {self.step} not committed within {timeout}s")
         if self._job.error is not None:
@@ -71,7 +71,3 @@ class PendingCheckpoint:
         """The background failure of this checkpoint, if any (the original exception object)."""
         return None if self._job is None else self._job.error
 
-
-def remaining(deadline: float | None) -> float | None:
-    """Seconds left until the monotonic ``deadline``, never negative; None when there is no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import lazyckpt
-from lazyckpt.staging.cpu import CpuCopyBackend
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.in_memory import MemoryStorage
+from lazyckpt.write.staging.cpu import CpuCopyBackend
 
 
 def pytest_collection_modifyitems(config, items):

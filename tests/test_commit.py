@@ -69,7 +69,7 @@ def test_when_the_rename_cannot_be_undone_the_visible_checkpoint_is_reported_com
     with lazyckpt.LazyCheckpointer(root, storage=storage, copy_backend="cpu") as ckpt:
         storage.fail("sync_dir")
         storage.fail("rename", when=lambda src, dst, **kw: dst.endswith(PARTIAL_SUFFIX))  # the roll-back
-        with caplog.at_level(logging.WARNING, logger="lazyckpt.commit"):
+        with caplog.at_level(logging.WARNING, logger="lazyckpt.write.commit"):
             path = ckpt.save(_state(1.0), step=1).wait()
     assert _newest(inner, root) == 1 and path.endswith("step-0000001")
     assert "undoing the rename failed too" in caplog.text

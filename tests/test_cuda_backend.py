@@ -10,10 +10,10 @@ import torch
 
 from lazyckpt.format.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes
 from lazyckpt.format.header import TensorEntry
-from lazyckpt.plan import layout, plan_pieces
-from lazyckpt.staging.cpu import CpuCopyBackend
-from lazyckpt.staging.cuda import CudaCopyBackend
 from lazyckpt.triton_kernels import interpreter_active, triton_available
+from lazyckpt.write.plan import layout, plan_pieces
+from lazyckpt.write.staging.cpu import CpuCopyBackend
+from lazyckpt.write.staging.cuda import CudaCopyBackend
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
 needs_kernels = pytest.mark.skipif(
@@ -84,13 +84,13 @@ def test_cuda_backend_stages_the_same_bytes_and_checksums_as_the_cpu_backend(dev
 @needs_kernels
 @pytest.mark.parametrize("ce_min_bytes", [None, 4096])
 def test_triton_backend_and_its_copy_engine_hybrid_match_the_cpu_backend(ce_min_bytes):
-    from lazyckpt.staging.triton import TritonCopyBackend
+    from lazyckpt.write.staging.triton import TritonCopyBackend
 
     assert_same_staging(TritonCopyBackend(num_programs=4, ce_min_bytes=ce_min_bytes), returns_checksums=True)
 
 
 def _backends() -> list:
-    from lazyckpt.staging.triton import TritonCopyBackend
+    from lazyckpt.write.staging.triton import TritonCopyBackend
 
     return [
         pytest.param(lambda: CudaCopyBackend(device_checksum=False), id="cuda"),
@@ -161,7 +161,7 @@ def test_kernel_writes_host_memory_registered_with_cuda_host_register():
 @requires_cuda
 @needs_kernels
 def test_triton_copy_eager_of_a_cuda_tensor_is_an_exact_cpu_copy():
-    from lazyckpt.staging.triton import TritonCopyBackend
+    from lazyckpt.write.staging.triton import TritonCopyBackend
 
     for tensor in tensors_on("cuda").values():
         copy = TritonCopyBackend(num_programs=2).copy_eager(tensor)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lazyckpt.staging.pool import HostBufferPool
 from lazyckpt.storage import LocalStorage
+from lazyckpt.write.staging.pool import HostBufferPool
 
 ALIGN = 4096
 
@@ -62,7 +62,7 @@ def test_pool_slots_start_on_page_boundaries():
 
 def test_tensors_whose_sizes_are_whole_pages_are_laid_out_first_so_their_offsets_stay_page_aligned():
     from lazyckpt.format.header import TensorEntry
-    from lazyckpt.plan import layout
+    from lazyckpt.write.plan import layout
 
     sizes = {"odd": 1000 * 4, "page": 1024 * 4, "big": 3 * 1024 * 4, "word": 12 * 4}
     entries = [TensorEntry(k, "F32", (n // 4,), n, lazy=True) for k, n in sizes.items()]

@@ -10,7 +10,7 @@ import torch
 
 import lazyckpt
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.stats import StatsLog
+from lazyckpt.write.stats import StatsLog
 
 
 def test_a_step_lower_than_the_newest_committed_one_is_refused_with_the_fix(storage_root):
@@ -81,10 +81,10 @@ def test_the_free_space_check_counts_the_manifests_too(storage_root):
 
 
 def test_the_free_space_estimate_covers_sharded_tables_and_the_global_index():
-    from lazyckpt.capture import _tensor_tables_bytes
+    from lazyckpt.write.capture import _tensor_tables_bytes
     from lazyckpt.format.manifest import global_index, rank_manifest_doc, tensor_summary
     from lazyckpt.format.header import TensorEntry
-    from lazyckpt.plan import layout
+    from lazyckpt.write.plan import layout
     from lazyckpt.ranks.sharding import Box
 
     world_size, rows = 4, 1_000_000

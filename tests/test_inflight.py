@@ -15,9 +15,9 @@ import torch
 
 import lazyckpt
 from conftest import assert_tree_equal, clone_tree, snapshot, step
-from lazyckpt.inflight import InFlight
-from lazyckpt.job import JobState
 from lazyckpt.storage import LocalStorage
+from lazyckpt.write.inflight import InFlight
+from lazyckpt.write.job import JobState
 from test_lifecycle import _job
 
 BOUND = 30.0  # seconds a wait may take before the test calls it a hang

@@ -16,11 +16,11 @@ import lazyckpt
 from conftest import GatedBackend
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import IllegalTransitionError
-from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.staging.cpu import CpuCopyBackend
-from lazyckpt.stats import CheckpointStats
 from lazyckpt.storage import LocalStorage
 from lazyckpt.tree.encode import Deferred
+from lazyckpt.write.job import CheckpointJob, JobState
+from lazyckpt.write.staging.cpu import CpuCopyBackend
+from lazyckpt.write.stats import CheckpointStats
 
 BOUND = 30.0  # seconds a wait may take before the test calls it a hang
 

@@ -9,6 +9,7 @@ import torch
 
 import lazyckpt
 from conftest import FailingStorage, GatedBackend, assert_tree_equal, clone_tree, snapshot, step
+from lazyckpt.write.plan import staging_slots
 
 
 def big_state(model, opt, extra: int = 0):
@@ -56,7 +57,7 @@ def test_pool_holds_exactly_two_checkpoints_however_many_are_taken(tmp_path, lar
         for n in range(1, 6):
             step(model, opt, seed=n)
             save_step(ckpt, model, opt, n)
-        per_checkpoint = ckpt._memory.slots_per_checkpoint(ckpt._job)
+        per_checkpoint = staging_slots(ckpt._job.pieces)
         pool = ckpt._copier.pool
         assert per_checkpoint > 1
         assert pool.num_slots == 2 * per_checkpoint

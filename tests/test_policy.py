@@ -276,7 +276,7 @@ def test_sessions_sharing_a_directory_must_agree_on_the_engine(tmp_path):
 
 def test_the_run_summary_counts_stalls_time_to_durable_and_bytes():
     from lazyckpt.policy import run_summary, summary_line
-    from lazyckpt.stats import CheckpointStats
+    from lazyckpt.write.stats import CheckpointStats
 
     stats = [CheckpointStats(step=s, save_s=0.001 * s, wait_s=0.001, flush_s=0.5 * s, nbytes=10**9)
              for s in (1, 2, 3)]
@@ -293,7 +293,7 @@ def test_the_run_summary_counts_stalls_time_to_durable_and_bytes():
                                           ((0.05, 0.02, 0.06), False), ((0.01, 0.04), False)])
 def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warns):
     from lazyckpt.policy import falling_behind
-    from lazyckpt.stats import CheckpointStats
+    from lazyckpt.write.stats import CheckpointStats
 
     message = falling_behind([CheckpointStats(step=i, save_s=s, flush_s=1.0) for i, s in enumerate(stalls)])
     assert (message is not None) == warns
@@ -305,7 +305,7 @@ def test_a_stall_that_keeps_growing_is_reported_with_what_to_change(stalls, warn
 def test_a_growing_stall_that_stays_short_in_absolute_terms_is_not_reported(stalls):
     from lazyckpt.policy import falling_behind
     from lazyckpt.policy.feedback import MIN_STALL_S
-    from lazyckpt.stats import CheckpointStats
+    from lazyckpt.write.stats import CheckpointStats
 
     def stats(values):
         return [CheckpointStats(step=i, save_s=s, flush_s=1.0) for i, s in enumerate(values)]
@@ -316,7 +316,7 @@ def test_a_growing_stall_that_stays_short_in_absolute_terms_is_not_reported(stal
 
 def test_run_feedback_warns_once_holds_messages_until_their_commit_and_follows_a_bounded_log():
     from lazyckpt.policy import Reporter, RunFeedback
-    from lazyckpt.stats import CheckpointStats, StatsLog
+    from lazyckpt.write.stats import CheckpointStats, StatsLog
 
     feedback = RunFeedback()
     feedback.announce(2, "saved 'last.ckpt'")
@@ -385,7 +385,7 @@ def test_update_loop_requests_a_due_step_at_the_next_forward_and_a_rollback_undo
     from types import SimpleNamespace
 
     from lazyckpt.policy import UpdateLoop
-    from lazyckpt.stats import StatsLog
+    from lazyckpt.write.stats import StatsLog
 
     calls = []
     session = SimpleNamespace(engine=SimpleNamespace(stats=StatsLog()), barrier=lambda: calls.append("barrier"),
@@ -427,7 +427,7 @@ def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_som
     from types import SimpleNamespace
 
     from lazyckpt.policy import Reporter, RunFeedback
-    from lazyckpt.stats import CheckpointStats
+    from lazyckpt.write.stats import CheckpointStats
 
     lines, metrics, saved = [], [], []
     reporter = Reporter(lines.append, metrics=lambda values, step: metrics.append((step, values)), each=saved.append)

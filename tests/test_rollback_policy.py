@@ -9,6 +9,7 @@ import torch
 
 import lazyckpt
 from lazyckpt import RollbackPolicy, is_nonfinite
+from lazyckpt.write.plan import staging_slots
 from conftest import assert_tree_equal
 
 EVERY = 3
@@ -143,7 +144,7 @@ def test_memory_stays_bounded_over_200_steps_with_rollbacks(tmp_path):
             if step in (50, 200):
                 rss[step] = psutil.Process().memory_info().rss
         assert policy.total == 28 and policy._start is None
-        assert ckpt._copier.pool.num_slots == 2 * ckpt._memory.slots_per_checkpoint(ckpt._job)
+        assert ckpt._copier.pool.num_slots == 2 * staging_slots(ckpt._job.pieces)
     # 150 steps hold 30 checkpoints and 21 rollbacks: keeping one state each would grow RSS by > 20 states. The
     # allocator may keep a few freed states around (up to ~3 seen), which is not growth with the step count.
     assert rss[200] - rss[50] < 6 * state_bytes, f"RSS grew by {(rss[200] - rss[50]) / 2**20:.1f} MiB"

@@ -84,7 +84,7 @@ def test_optimizer_state_that_appears_at_the_first_step_is_saved_and_lazy(tmp_pa
 
 
 def test_the_structure_saved_every_time_stays_cached_through_one_off_structures():
-    from lazyckpt.structure import _KEPT_STRUCTURES, Structure, StructureCache
+    from lazyckpt.write.structure import _KEPT_STRUCTURES, Structure, StructureCache
 
     def planned(shape) -> Structure:
         return Structure(shape, (), {}, signature=str(shape))

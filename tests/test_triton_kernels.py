@@ -22,10 +22,10 @@ import pytest
 pytest.importorskip("triton")
 
 from lazyckpt.format.checksum import CHUNK_BYTES, checksum_bytes, tensor_bytes  # noqa: E402
-from lazyckpt.plan import PIECE_BYTES, layout, plan_pieces  # noqa: E402
+from lazyckpt.write.plan import PIECE_BYTES, layout, plan_pieces  # noqa: E402
 from lazyckpt.format.header import TensorEntry  # noqa: E402
-from lazyckpt.staging.cpu import CpuCopyBackend  # noqa: E402
-from lazyckpt.staging.triton import TritonCopyBackend  # noqa: E402
+from lazyckpt.write.staging.cpu import CpuCopyBackend  # noqa: E402
+from lazyckpt.write.staging.triton import TritonCopyBackend  # noqa: E402
 from lazyckpt.triton_kernels import (CopySegment, TableCache, checksum_segments, checksums_to_list, chunk_segments,
                                      copy_tensor, copy_with_checksums, interpreter_active, require_runtime)
 
@@ -254,8 +254,8 @@ def test_import_works_without_triton_and_use_fails_clearly():
         """
         import sys
         sys.modules["triton"] = None  # as if triton were not installed
-        import lazyckpt.triton_kernels, lazyckpt.staging.cuda, lazyckpt.staging.triton
-        from lazyckpt.staging.triton import TritonCopyBackend
+        import lazyckpt.triton_kernels, lazyckpt.write.staging.cuda, lazyckpt.write.staging.triton
+        from lazyckpt.write.staging.triton import TritonCopyBackend
         try:
             TritonCopyBackend()
         except ImportError as e:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from lazyckpt.stats import CheckpointStats, StatsLog
+from lazyckpt.write.stats import CheckpointStats, StatsLog
 
 GROWING_RUN = 3
 """Consecutive checkpoints whose stall grows before :func:`falling_behind` says so."""

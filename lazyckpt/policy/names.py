@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.format.names import step_dirname
-from lazyckpt.job import CheckpointStats
 from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
 from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
+from lazyckpt.write.job import CheckpointStats
 
 logger = logging.getLogger(__name__)
 Action = tuple[str, str, "int | None"]

@@ -213,3 +213,8 @@ def poll_until(predicate: Callable[[], bool], timeout_s: float, what: str, *, fi
             raise TimeoutError(f"lazyckpt: gave up after {timeout_s:g}s waiting for {what}")
         time.sleep(delay)
         delay = min(delay * 2, max_delay)
+
+
+def leader_of(rendezvous: Rendezvous | None) -> int:
+    """The rank that leads this rank's directory: its rendezvous's leader, or rank 0 without a store."""
+    return 0 if rendezvous is None else rendezvous.leader

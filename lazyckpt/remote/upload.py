@@ -34,7 +34,7 @@ from lazyckpt.threads import UPLOAD_NICE, start_background_thread
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
-    from lazyckpt.job import CheckpointJob
+    from lazyckpt.write.job import CheckpointJob
     from lazyckpt.ranks.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ import torch
 
 from lazyckpt.errors import IllegalTransitionError
 from lazyckpt.format.header import TensorEntry
-from lazyckpt.plan import Piece
-from lazyckpt.stats import CheckpointStats
 from lazyckpt.tree.encode import Deferred
 from lazyckpt.tree.paths import Path
+from lazyckpt.write.plan import Piece
+from lazyckpt.write.stats import CheckpointStats
 
 
 class JobState(enum.Enum):
@@ -192,3 +192,8 @@ class CheckpointJob:
         """Block until ``predicate()`` (evaluated under the job's lock) holds; False on timeout. Any thread."""
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until the monotonic ``deadline``, never negative; None when there is no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

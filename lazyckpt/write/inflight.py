@@ -17,15 +17,15 @@ as safe as one checkpoint at a time:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
-from lazyckpt.job import CheckpointJob
+from lazyckpt.write.job import CheckpointJob
 
-if TYPE_CHECKING:
-    from lazyckpt.pending import PendingCheckpoint
+Handle = TypeVar("Handle")
+"""What the caller hands out for each job (the engine's ``PendingCheckpoint``)."""
 
 
-class InFlight:
+class InFlight(Generic[Handle]):
     """The jobs of one checkpointer that are unfinished or have an error not yet delivered, oldest first.
 
     The training thread adds jobs; the writer and commit threads read the order (any thread may call any method).
@@ -33,9 +33,9 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: list[tuple[CheckpointJob, PendingCheckpoint]] = []
+        self._jobs: list[tuple[CheckpointJob, Handle]] = []
 
-    def add(self, job: CheckpointJob, pending: PendingCheckpoint) -> None:
+    def add(self, job: CheckpointJob, pending: Handle) -> None:
         """Track ``job`` as the newest; forget the ended ones whose outcome was delivered."""
         with self._lock:
             kept = [(j, p) for j, p in self._jobs if not j.done or (j.error is not None and not j.error_delivered)]
@@ -47,7 +47,7 @@ class InFlight:
         with self._lock:
             return self._jobs[-1][0] if self._jobs else None
 
-    def newest_handle(self) -> PendingCheckpoint | None:
+    def newest_handle(self) -> Handle | None:
         """The handle of the newest job that has not ended."""
         with self._lock:
             return next((p for j, p in reversed(self._jobs) if not j.done), None)

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from lazyckpt.plan import Piece
-from lazyckpt.staging.base import CopyBackend
-from lazyckpt.staging.segments import copy_on_host, segment_refs, split_by_piece
+from lazyckpt.write.plan import Piece
+from lazyckpt.write.staging.base import CopyBackend
+from lazyckpt.write.staging.segments import copy_on_host, segment_refs, split_by_piece
 
 
 class CpuCopyBackend(CopyBackend):

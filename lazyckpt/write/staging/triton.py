@@ -26,13 +26,14 @@ from collections.abc import Sequence
 import torch
 
 from lazyckpt.format.checksum import CHUNK_BYTES
-from lazyckpt.plan import Piece
-from lazyckpt.staging.base import CopyBackend
-from lazyckpt.staging.cuda import StreamOrder, fill, remap_sources
-from lazyckpt.staging.segments import SegmentRef, copy_on_host, segment_refs, slot_range, source_range, split_by_piece
 from lazyckpt.triton_kernels import (DEFAULT_BLOCK_BYTES, DEFAULT_NUM_PROGRAMS, DEFAULT_NUM_WARPS, TableCache,
                                      check_launch_options, checksum_segments, checksums_to_list, copy_tensor,
                                      copy_with_checksums, interpreter_active, require_runtime)
+from lazyckpt.write.plan import Piece
+from lazyckpt.write.staging.base import CopyBackend
+from lazyckpt.write.staging.cuda import StreamOrder, fill, remap_sources
+from lazyckpt.write.staging.segments import (SegmentRef, copy_on_host, segment_refs, slot_range, source_range,
+                                             split_by_piece)
 
 AUTO_CE_MIN_BYTES = CHUNK_BYTES
 """Provisional ``auto`` threshold: tensors of at least one chunk go to the copy engines (docs/triton.md)."""

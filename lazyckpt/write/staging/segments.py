@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from lazyckpt.format.checksum import copy_checksum
-from lazyckpt.plan import Piece, Segment
+from lazyckpt.write.plan import Piece, Segment
 
 SegmentRef = tuple[int, Segment]
 """A segment together with the index of the piece (and slot) it belongs to."""

@@ -105,6 +105,11 @@ def lazy_bytes(entries: list[TensorEntry]) -> int:
     return sum(e.nbytes for e in entries if e.lazy)
 
 
+def staging_slots(pieces: list[Piece]) -> int:
+    """Host staging slots one checkpoint's lazy pieces take (one slot each)."""
+    return sum(1 for piece in pieces if piece.lazy)
+
+
 def segment_runs(piece: Piece) -> list[list[Segment]]:
     """The piece's segments grouped into runs of one tensor's consecutive chunks (contiguous on both sides), so
     each run is one copy and one batched checksum call."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lazyckpt.plan import Piece
+from lazyckpt.write.plan import Piece
 
 
 class CopyBackend(ABC):

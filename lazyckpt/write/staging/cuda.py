@@ -27,11 +27,12 @@ from contextlib import contextmanager
 
 import torch
 
-from lazyckpt.plan import Piece
-from lazyckpt.staging.base import CopyBackend
-from lazyckpt.staging.segments import SegmentRef, copy_on_host, segment_refs, slot_range, source_range, split_by_piece
 from lazyckpt.triton_kernels import (CopySegment, TableCache, checksum_segments, checksums_to_list,
                                      interpreter_active, triton_available)
+from lazyckpt.write.plan import Piece
+from lazyckpt.write.staging.base import CopyBackend
+from lazyckpt.write.staging.segments import (SegmentRef, copy_on_host, segment_refs, slot_range, source_range,
+                                             split_by_piece)
 
 _NO_CUDA = (
     "copy_backend={name!r} needs a CUDA device, but torch.cuda.is_available() is False; use copy_backend='cpu' "

@@ -8,27 +8,41 @@ the writer, queued last, whether the job succeeded or not.
 from __future__ import annotations
 
 import queue
-from functools import partial
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import torch
 
 from lazyckpt.errors import SnapshotConsistencyError
 from lazyckpt.format.checksum import checksum_run, format_checksum, tensor_bytes
-from lazyckpt.job import CheckpointJob, JobState
-from lazyckpt.memory_level import MemoryLevel
-from lazyckpt.plan import PIECE_BYTES, Piece, lazy_bytes, segment_runs
-from lazyckpt.staging import CopyBackend, HostBufferPool
-from lazyckpt.staging.pool import slots_for
 from lazyckpt.storage import Storage
 from lazyckpt.threads import COPIER_NICE, start_background_thread
-from lazyckpt.writer import CallTask, SharedWriter, WriteTask
+from lazyckpt.write.job import CheckpointJob, JobState
+from lazyckpt.write.plan import PIECE_BYTES, Piece, lazy_bytes, segment_runs, staging_slots
+from lazyckpt.write.staging import CopyBackend, HostBufferPool
+from lazyckpt.write.staging.pool import slots_for
+from lazyckpt.write.writer import CallTask, SharedWriter, WriteTask
+
+
+class SlotKeeper(Protocol):
+    """Keeps written staging slots instead of freeing them (the memory level: the newest snapshot stays in the
+    pool). The copier sizes the pool by it and hands each written slot to it."""
+
+    def pool_bytes(self, job: CheckpointJob) -> int:
+        """The staging memory the pool needs for ``job`` while the keeper holds a snapshot."""
+
+    def keeper(self, job: CheckpointJob, piece: Piece, slot: torch.Tensor,
+               give_back: Callable[[], None]) -> Callable[[], None]:
+        """What the writer calls once ``slot`` is written: keep it (``give_back`` frees it later)."""
 
 
 class Copier:
     """Owns the host pool and the copy thread of one checkpointer."""
 
     def __init__(self, *, backend: CopyBackend, budget_bytes: int | None, storage: Storage, writer: SharedWriter,
-                 finalize: Callable[[CheckpointJob], None], memory: MemoryLevel | None = None,
+                 finalize: Callable[[CheckpointJob], None], memory: SlotKeeper | None = None,
                  max_in_flight: int = 1) -> None:
         self.backend = backend
         self.max_in_flight = max_in_flight
@@ -85,7 +99,7 @@ class Copier:
             return self.memory.pool_bytes(job)
         if self.budget_bytes is None:
             return lazy_bytes(job.entries)
-        return self.max_in_flight * PIECE_BYTES * MemoryLevel.slots_per_checkpoint(job)
+        return self.max_in_flight * PIECE_BYTES * staging_slots(job.pieces)
 
     def _pool_for(self, nbytes: int) -> HostBufferPool:
         wanted = slots_for(self.budget_bytes, nbytes)

@@ -6,8 +6,8 @@ import queue
 
 import torch
 
-from lazyckpt.plan import PIECE_BYTES
 from lazyckpt.storage import PAGE_BYTES
+from lazyckpt.write.plan import PIECE_BYTES
 
 
 class HostBufferPool:
