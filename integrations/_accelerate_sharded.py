@@ -17,7 +17,7 @@ import torch
 
 from lazyckpt.policy import RunLayout, restore_sharded
 from lazyckpt.policy.sharded import set_sharded_states as set_states, sharded_states
-from lazyckpt.reader import CheckpointReader
+from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.storage.urls import storage_for
 
 RUN_KEYS = ("rng",)

@@ -29,8 +29,8 @@ import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.export import export_lightning as export_checkpoint
 from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
-from lazyckpt.policy import (Reporter, ResumedRng, RunLayout, capture_rng, check_committed, check_fits,
-                             find_generators, restore_sharded)
+from lazyckpt.policy import Reporter, ResumedRng, RunLayout, capture_rng, check_fits, find_generators, restore_sharded
+from lazyckpt.read.load import check_committed
 
 from . import _compat
 

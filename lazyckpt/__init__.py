@@ -20,9 +20,9 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, C
                              NothingToRollBackTo, RemoteUnreachableError, RollbackLimitError,
                              SnapshotConsistencyError, StepAlreadyCommittedError, StepOrderError,
                              UnsupportedValueError)
-from lazyckpt.loading import checkpoint_step, latest, load, verify
 from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
-from lazyckpt.reshard import load_into
+from lazyckpt.read.load import checkpoint_step, latest, load, verify
+from lazyckpt.read.reshard import load_into
 from lazyckpt.rng import capture_rng_state, restore_rng_state
 from lazyckpt.tree.encode import Deferred, PerRank
 from lazyckpt.tree.preflight import check_storable

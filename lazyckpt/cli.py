@@ -33,10 +33,10 @@ from lazyckpt.export import FORMATS, export
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.names import MANIFEST
 from lazyckpt.policy.aliases import alias_step
-from lazyckpt.reader import CheckpointReader, placeholders
+from lazyckpt.read.reader import CheckpointReader, placeholders
+from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url
-from lazyckpt.tensor_io import read_tensor_bytes
 from lazyckpt.tree.decode import unflatten
 
 PROGRESS_MIN_BYTES = 256 << 20
@@ -152,7 +152,7 @@ class _Cli:
             task = bar.add_task(f"verifying {os.path.basename(reader.path)}", total=total)
             for rank in range(reader.world_size):
                 try:
-                    reader.read_rank(rank, load=False, verify=True, progress=lambda n: bar.advance(task, n))
+                    reader.check_rank(rank, progress=lambda n: bar.advance(task, n))
                     checked += 1
                 except PROBLEMS as e:
                     problems += 1

@@ -2,7 +2,7 @@
 
 DCP's planner decides which stored block fills which part of each target (resharding to any mesh and world size);
 this reader only describes the checkpoint (the global view in ``manifest.json``) and serves the blocks through
-:class:`~lazyckpt.reshard.ShardFiles`, so every manifest and header check of ``load`` applies and the checksums of
+:class:`~lazyckpt.read.shard_files.ShardFiles`, so every manifest and header check of ``load`` applies and the checksums of
 what is read are verified. Plain values (ints, lists, ``param_groups``) are served the way DCP stores them, as
 ``torch.save`` bytes; they come from rank 0's part of the checkpoint.
 
@@ -28,8 +28,8 @@ from torch.futures import Future
 
 from lazyckpt.format.header import torch_dtype
 from lazyckpt.format.names import MANIFEST
-from lazyckpt.reader import CheckpointReader
-from lazyckpt.reshard import ShardFiles
+from lazyckpt.read.reader import CheckpointReader
+from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import Storage
 from lazyckpt.tree.paths import tensor_key
 

@@ -20,7 +20,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.lightning_format import lightning_checkpoint_bytes
-from lazyckpt.loading import load
+from lazyckpt.read.load import load
 from lazyckpt.storage import LocalStorage, Storage
 
 FORMATS = ("lightning", "safetensors")

@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.loading import load
 from lazyckpt.plain import weights_only_safe
-from lazyckpt.policy.resume import check_committed
+from lazyckpt.read.load import check_committed, load
 
 EXTRA_KEY = "lazyckpt"
 """Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""

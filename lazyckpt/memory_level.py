@@ -7,7 +7,7 @@ become the newest snapshot and the previous snapshot's slots go back to the pool
 checkpoints: the newest complete one and the one being written (double buffering), and nothing accumulates.
 
 Reading a snapshot copies its bytes out under a lock (the writer cannot recycle them meanwhile), straight into
-the caller's live tensors where they fit (:mod:`lazyckpt.snapshot_copy`), checks every chunk against the
+the caller's live tensors where they fit (:mod:`lazyckpt.read.snapshot_copy`), checks every chunk against the
 checksums recorded for the file with the reader's own check as it is copied, and rebuilds the state with the
 reader's decoder.
 
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from lazyckpt.format.checksum import tensor_bytes
-from lazyckpt.reshard import tensor_targets
-from lazyckpt.snapshot_copy import Destinations, Transfer, copy_and_check
+from lazyckpt.read.reshard import tensor_targets
+from lazyckpt.read.snapshot_copy import Destinations, Transfer, copy_and_check
 from lazyckpt.tree.decode import unflatten
 from lazyckpt.write.job import CheckpointJob, JobState
 from lazyckpt.write.plan import PIECE_BYTES, Piece, segment_runs, staging_slots

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lazyckpt  # noqa: E402
-import lazyckpt.reader  # noqa: E402
+import lazyckpt.read.reader  # noqa: E402
 from _forge import edit_manifest, read_json, reseal, split_tensor_file, write_tensor_file  # noqa: E402
 from _soak import soak  # noqa: E402
 from lazyckpt.format.names import MANIFEST  # noqa: E402
@@ -209,7 +209,7 @@ def _mutate_filesystem(path: str, name: str, rng: random.Random) -> str:
 
 def load_every_rank(path: str) -> None:
     """``load`` of each rank in turn: what ``verify`` (which checks every rank, in order) must agree with."""
-    for rank in range(lazyckpt.reader.CheckpointReader(path).world_size):
+    for rank in range(lazyckpt.read.reader.CheckpointReader(path).world_size):
         lazyckpt.load(path, rank=rank)
 
 

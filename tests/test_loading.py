@@ -13,8 +13,8 @@ import torch
 import lazyckpt
 from lazyckpt import cli
 from lazyckpt.format.checksum import CHUNK_BYTES
+from lazyckpt.read.tensor_io import READ_BYTES
 from lazyckpt.storage import LocalStorage
-from lazyckpt.tensor_io import READ_BYTES
 
 from _forge import FILE, split_tensor_file
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import lazyckpt
-from lazyckpt import engine, loading
+from lazyckpt import engine
+from lazyckpt.read import load as loading
 from lazyckpt.tree import encode as state
 
 

@@ -32,11 +32,12 @@ from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
 from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
-from lazyckpt.policy.resume import check_committed, newest_checkpoint, resume_target
+from lazyckpt.policy.resume import newest_checkpoint, resume_target
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.steps import StepCounter, StepRequests
+from lazyckpt.read.load import check_committed
 
 __all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo",
            "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",

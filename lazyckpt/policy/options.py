@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig, normalize_dirpath
-from lazyckpt.loading import latest
 from lazyckpt.policy.rollback import check_max_rollbacks
+from lazyckpt.read.load import latest
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""

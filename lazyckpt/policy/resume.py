@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.format.names import MANIFEST
-from lazyckpt.loading import latest
+from lazyckpt.read.load import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 
 if TYPE_CHECKING:
@@ -38,24 +38,6 @@ def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Stor
         if info is not None and info.kind is FileKind.FILE:
             times[path] = info.mtime
     return max(times, key=times.__getitem__) if times else None
-
-
-def check_committed(path: str) -> str:
-    """``path``, unless it cannot be what a run resumes from: then :class:`~lazyckpt.CheckpointNotFoundError` says
-    what it is instead (a directory of checkpoints, with its newest committed one; a checkpoint never committed;
-    nothing, with the newest committed checkpoint next to it). Another tool's file passes."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
-        newest = latest(path)
-        if newest is not None:
-            raise CheckpointNotFoundError(
-                f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
-                "(or pass ckpt_path='last')")
-    if not os.path.exists(path):
-        hint = " It is still partial (never committed)." if os.path.isdir(path + ".partial") else ""
-        newest = latest(os.path.dirname(path) or ".")
-        raise CheckpointNotFoundError(f"lazyckpt checkpoint {path} does not exist.{hint}"
-                                      + (f" The newest committed checkpoint there is {newest}." if newest else ""))
-    return path
 
 
 def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] = ()) -> str | None:

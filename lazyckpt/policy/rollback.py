@@ -33,7 +33,7 @@ import torch
 
 from lazyckpt.errors import NothingToRollBackTo, RollbackLimitError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.loading import load
+from lazyckpt.read.load import load
 
 if TYPE_CHECKING:
     from lazyckpt.engine import LazyCheckpointer

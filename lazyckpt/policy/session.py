@@ -30,10 +30,10 @@ from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.loading import load
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.ranks.group import default_store
 from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages
+from lazyckpt.read.load import load
 from lazyckpt.remote.catalog import newest_checkpoint
 from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import Storage

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from lazyckpt.ranks.group import rank_and_size
-from lazyckpt.reader import CheckpointReader
-from lazyckpt.reshard import load_into
+from lazyckpt.read.reader import CheckpointReader
+from lazyckpt.read.reshard import load_into
 from lazyckpt.storage.urls import storage_for
 
 

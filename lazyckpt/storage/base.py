@@ -138,3 +138,12 @@ def wait_for_lock(storage: Storage, path: str, *, timeout_s: float | None = None
                 raise TimeoutError(f"lazyckpt: {path} stayed locked by another process for {timeout_s:g}s") from None
             time.sleep(delay)
             delay = min(2 * delay, 0.1)
+
+
+def kind_of(storage: Storage, path: str) -> FileKind | None:
+    """What ``path`` names once links are followed (as ``os.path.isdir``/``isfile`` see it); None when nothing is
+    there, or a link leads nowhere."""
+    info = storage.stat(path)
+    if info is not None and info.kind is FileKind.LINK:
+        info = storage.stat(storage.resolve(path))
+    return None if info is None else info.kind

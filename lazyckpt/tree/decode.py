@@ -131,3 +131,27 @@ def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# --- walks over an encoded tree ------------------------------------------------------------------------------
+
+def drop_per_rank(tree: Any) -> Any:
+    """The tree with every ``PerRank`` value replaced by None (for a rank the checkpoint has no part for)."""
+    if isinstance(tree, list):
+        return [drop_per_rank(v) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"$per_rank"}:
+            return None
+        return {k: drop_per_rank(v) for k, v in tree.items()}
+    return tree
+
+
+def tensor_keys(tree: Any) -> set[str]:
+    """Every ``$tensor`` key a tree refers to."""
+    if isinstance(tree, list):
+        return set().union(*(tensor_keys(v) for v in tree))
+    if isinstance(tree, dict):
+        if set(tree) == {"$tensor"} and isinstance(tree["$tensor"], str):
+            return {tree["$tensor"]}
+        return set().union(*(tensor_keys(v) for v in tree.values()))
+    return set()

@@ -27,8 +27,8 @@ import torch
 from lazyckpt.errors import CheckpointCorruptError, CheckpointMismatchError
 from lazyckpt.format.checksum import CHUNK_BYTES, copy_checksum, tensor_bytes
 from lazyckpt.format.header import TensorEntry, torch_dtype
-from lazyckpt.reshard import target_block
-from lazyckpt.tensor_io import check_chunk
+from lazyckpt.read.reshard import target_block
+from lazyckpt.read.tensor_io import check_chunk
 
 TASK_BYTES = 8 * CHUNK_BYTES
 """One unit of work handed to a thread: large enough that handing it over costs nothing next to its bytes."""

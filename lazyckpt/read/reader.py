@@ -21,8 +21,8 @@ from lazyckpt.format.header import header_length, parse_header, torch_dtype
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.schema import check_member_name, parse_manifest
+from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
-from lazyckpt.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.tree.decode import unflatten
 
 Progress = Callable[[int], None]
@@ -116,38 +116,27 @@ class CheckpointReader:
             raise
         return RankFile(where, doc, file, handle, data_start)
 
-    def read_rank(self, rank: int, *, load: bool, verify: bool, map_location: torch.device | None = None,
-                  progress: Progress | None = None) -> Any:
-        """The decoded state of ``rank`` (``load``), or ``None`` after checking everything (``load=False``)."""
+    def read_whole(self, opened: RankFile, *, verify: bool, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The whole tensors of ``opened``'s file (its rank's own, and boxes that cover their global tensor), read
+        into fresh tensors on ``device`` (default CPU); the global view's other tensors are assembled from every
+        rank's file (:class:`~lazyckpt.read.shard_files.ShardFiles`)."""
+        entries = {k: e for k, e in opened.doc["tensors"].items() if _is_whole(e)}
+        tensors = _allocate(opened, entries, device if device is not None else torch.device("cpu"))
+        read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries, tensors, verify=verify)
+        return tensors
+
+    def check_rank(self, rank: int, progress: Progress | None = None) -> None:
+        """Every check of loading ``rank`` (its files, tree and chunk checksums), keeping no tensor. The global
+        view's tensors in other ranks' files are placeholders here: those files' own checks cover their bytes."""
         opened = self.open_rank(rank)
         try:
-            entries = opened.doc["tensors"]
-            if load:  # the whole tensors of this rank's file; the global view assembles the others
-                entries = {k: e for k, e in entries.items() if _is_whole(e)}
-                device = map_location if map_location is not None else torch.device("cpu")
-                tensors = _allocate(opened, entries, device)
-            else:
-                tensors = placeholders(opened)
-            read_tensor_bytes(opened.handle, opened.file, opened.data_start, entries,
-                              tensors if load else None, verify=verify, progress=progress)
-            index = self.top.get("tensors", {})
-            if load:
-                tensors.update(self._consolidate([k for k in index if k not in tensors], verify, device))
-            else:
-                tensors.update(self._placeholders(list(index)))
-            state = unflatten(opened.doc["tree"], tensors, opened.manifest)
+            read_tensor_bytes(opened.handle, opened.file, opened.data_start, opened.doc["tensors"], None,
+                              verify=True, progress=progress)
+            tensors = placeholders(opened)
+            tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
+            unflatten(opened.doc["tree"], tensors, opened.manifest)
         finally:
             opened.close()
-        return state if load else None
-
-    def _consolidate(self, keys: list[str], verify: bool, device: torch.device) -> dict[str, torch.Tensor]:
-        """Full tensors of the global view, assembled from the boxes in every rank's file."""
-        from lazyckpt.reshard import ShardFiles  # reshard builds on this module
-
-        if not keys:
-            return {}
-        with ShardFiles(self, verify=verify) as files:
-            return files.consolidate(keys, device)
 
     def _placeholders(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Stand-ins for global tensors held in other ranks' files (whose own checks cover their bytes)."""

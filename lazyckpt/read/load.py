@@ -1,6 +1,6 @@
 """Reading checkpoints back: ``load``, ``verify``, ``latest``. Strict, and never executes stored code.
 
-``load`` and ``verify`` run the same checks (:class:`~lazyckpt.reader.CheckpointReader`): every file kind, size
+``load`` and ``verify`` run the same checks (:class:`~lazyckpt.read.reader.CheckpointReader`): every file kind, size
 cap, manifest and header seal, schema rule, tree node and chunk checksum.
 
 Example:
@@ -20,10 +20,14 @@ from typing import Any
 
 import torch
 
+from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.reader import CheckpointReader, Progress
-from lazyckpt.storage import Storage
+from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.read.reader import CheckpointReader, Progress
+from lazyckpt.read.shard_files import ShardFiles
+from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.storage.urls import storage_for
+from lazyckpt.tree.decode import unflatten
 
 
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
@@ -69,7 +73,16 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
                          "resume on another number of ranks, fill this run's state with "
                          "lazyckpt.load_into(path, state), which reshards")
     device = torch.device(map_location) if map_location is not None else None
-    return reader.read_rank(rank, load=True, verify=verify, map_location=device)
+    opened = reader.open_rank(rank)
+    try:
+        tensors = reader.read_whole(opened, verify=verify, device=device)
+        others = [key for key in reader.top.get("tensors", {}) if key not in tensors]
+        if others:  # the global view's tensors, consolidated from every rank's file
+            with ShardFiles(reader, verify=verify) as files:
+                tensors.update(files.consolidate(others, device))
+        return unflatten(opened.doc["tree"], tensors, opened.manifest)
+    finally:
+        opened.close()
 
 
 def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, progress: Progress | None = None,
@@ -80,4 +93,25 @@ def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, prog
     """
     reader = CheckpointReader(*storage_for(path, storage, storage_options))
     for rank in range(reader.world_size):
-        reader.read_rank(rank, load=False, verify=True, progress=progress)
+        reader.check_rank(rank, progress=progress)
+
+
+def check_committed(path: str, storage: Storage | None = None) -> str:
+    """``path``, unless it cannot be what a run resumes from: then :class:`~lazyckpt.CheckpointNotFoundError` says
+    what it is instead (a directory of checkpoints, with its newest committed one; a checkpoint never committed;
+    nothing, with the newest committed checkpoint next to it). Another tool's file passes."""
+    storage = storage if storage is not None else LocalStorage()
+    kind = kind_of(storage, path)
+    if kind is FileKind.DIR and kind_of(storage, os.path.join(path, MANIFEST)) is not FileKind.FILE:
+        newest = latest(path, storage=storage)
+        if newest is not None:
+            raise CheckpointNotFoundError(
+                f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
+                "(or pass ckpt_path='last')")
+    if kind is None:
+        partial = kind_of(storage, path + PARTIAL_SUFFIX) is FileKind.DIR
+        hint = " It is still partial (never committed)." if partial else ""
+        newest = latest(os.path.dirname(path) or ".", storage=storage)
+        raise CheckpointNotFoundError(f"lazyckpt checkpoint {path} does not exist.{hint}"
+                                      + (f" The newest committed checkpoint there is {newest}." if newest else ""))
+    return path
