@@ -32,7 +32,7 @@ from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.export import FORMATS, export
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.names import MANIFEST
-from lazyckpt.policy.aliases import alias_step
+from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader, placeholders
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage

@@ -25,15 +25,14 @@ from typing import Any
 import torch
 
 from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
-from lazyckpt.directory import CommittedSteps, meet_ranks
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.names import step_dirname
-from lazyckpt.housekeeping import DirectoryLock
-from lazyckpt.memory_level import MemoryLevel
+from lazyckpt.levels.local import CommittedSteps, DirectoryLock, meet_ranks
+from lazyckpt.levels.memory import MemoryLevel
+from lazyckpt.levels.remote.spool import split_levels
+from lazyckpt.levels.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.ranks.group import default_store, rank_and_size
-from lazyckpt.remote.options import split_levels
-from lazyckpt.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.write.capture import capture_job
 from lazyckpt.write.commit import JobEnds

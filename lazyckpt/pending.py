@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from lazyckpt.remote.upload import RemoteUpload, wait_for_upload
+from lazyckpt.levels.remote.upload import RemoteUpload, wait_for_upload
 from lazyckpt.write.job import CheckpointJob, remaining
 
 Barrier = Callable[[CheckpointJob, "float | None"], bool]

@@ -10,7 +10,7 @@ import torch
 
 from _distributed import two_ranks_meeting
 from lazyckpt.errors import CommitAbandoned
-from lazyckpt.remote.rendezvous import StoreMeeting, upload_attempt
+from lazyckpt.levels.remote.meeting import StoreMeeting, upload_attempt
 
 
 def _on_both(rank0_part, rank1_part):

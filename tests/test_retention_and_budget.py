@@ -9,7 +9,7 @@ import torch
 
 import lazyckpt
 from conftest import assert_tree_equal, clone_tree
-from lazyckpt.retention import steps_to_purge
+from lazyckpt.levels.retention import steps_to_purge
 
 
 def test_keep_last_k_keeps_the_newest_and_never_the_only_commit(tmp_path):

@@ -1,7 +1,7 @@
 """A URL ``dirpath`` for a framework that needs a local directory: Lightning's ``ModelCheckpoint`` keeps its file
 names (``last.ckpt``, ``epoch=1-step=40.ckpt``) as links next to the checkpoints, and object stores have none.
 
-The split is the engine's own (:func:`lazyckpt.remote.options.split_levels`), made before the framework sees the
+The split is the engine's own (:func:`lazyckpt.levels.remote.spool.split_levels`), made before the framework sees the
 directory: the framework gets the private node-local spool directory, where the names and the local level live,
 and the URL becomes the remote level that every checkpoint is uploaded to. ``keep_last_k`` applies on the remote;
 the spool keeps the newest checkpoint, the ones a name points at, and any still uploading.
@@ -18,8 +18,8 @@ import dataclasses
 import os
 
 from lazyckpt.config import normalize_dirpath
+from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.policy.options import SessionOptions
-from lazyckpt.remote.options import split_levels
 from lazyckpt.storage.urls import is_url
 
 

@@ -2,7 +2,7 @@
 
 A framework may think in names (Lightning's ``ModelCheckpoint`` in file names built from its ``filename``
 template: ``epoch=1-step=40.ckpt``, ``last.ckpt``) while the engine writes ``dirpath/step-NNNNNNN/``. Each name
-becomes a relative link to its step directory (:mod:`lazyckpt.policy.aliases`), created only once that step is
+becomes a relative link to its step directory (:mod:`lazyckpt.levels.aliases`), created only once that step is
 committed; a dropped name is removed only once the checkpoint planned with the drop is committed. Several names
 may point at one step. A step directory is deleted when its last name is gone and ``keep_last_k`` does not keep
 it: the names become the steps to protect of :meth:`CheckpointSession.purge`.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.format.names import step_dirname
-from lazyckpt.policy.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
+from lazyckpt.levels.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
 from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.write.job import CheckpointStats

@@ -105,7 +105,7 @@ class SessionOptions:
         remote one is fetched into ``dirpath`` first, e.g. on a fresh node); None when there is none."""
         if self._config.remote is None:
             return latest(dirpath) if os.path.isdir(dirpath) else None
-        from lazyckpt.remote.fetch import newest_on_this_node
+        from lazyckpt.levels.remote.fetch import newest_on_this_node
 
         return newest_on_this_node(dirpath, self._config.remote, self._config.storage_options)
 

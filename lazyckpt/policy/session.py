@@ -30,12 +30,12 @@ from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps
+from lazyckpt.levels.remote.catalog import newest_checkpoint
+from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.ranks.group import default_store
 from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.read.load import load
-from lazyckpt.remote.catalog import newest_checkpoint
-from lazyckpt.retention import steps_to_purge
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import options_for
 from lazyckpt.tree.encode import PerRank
@@ -180,7 +180,7 @@ class CheckpointSession:
             self._awaiting_barrier = None
 
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
-        """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.retention.steps_to_purge`):
+        """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.levels.retention.steps_to_purge`):
         ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one, the newest, or
         one still uploading to the remote level (a released one is deleted by a later purge). Returns the steps
         deleted."""

@@ -22,7 +22,7 @@ import posixpath
 from typing import Any
 
 from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
-from lazyckpt.remote.catalog import newest_checkpoint
+from lazyckpt.levels.remote.catalog import newest_checkpoint
 from lazyckpt.storage import LocalStorage, wait_for_lock
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.storage.urls import is_url, join

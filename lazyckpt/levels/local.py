@@ -1,28 +1,32 @@
-"""A checkpointer's directory: which rank leads it, and what it does to the committed ``step-N`` directories there.
+"""The local level: a checkpointer's directory, which rank leads it, and what it does to the ``step-N`` directories
+there.
 
-At construction the ranks that share a directory agree on its leader, which clears the leftovers of a crash; only
-the leader renames or deletes in the directory, so ranks sharing it never race. ``latest()`` must be the checkpoint
+Each rank locks the directory for itself (a second live checkpointer of the same rank is refused). At construction
+the ranks that share a directory agree on its leader, which clears the leftovers of a crash; only the leader
+renames or deletes in the directory, so ranks sharing it never race. ``latest()`` must be the checkpoint
 of the run that is training now, so a save of a step lower than a committed one is refused or the newer ones are
 moved aside; ``keep_last_k`` removes the oldest after each commit, never one still uploading.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 from lazyckpt.config import CheckpointConfig, OnOlderStep
-from lazyckpt.errors import StepOrderError
+from lazyckpt.errors import DirectoryLockedError, StepOrderError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
-from lazyckpt.housekeeping import move_aside, remove_partials
-from lazyckpt.ranks.rendezvous import Rendezvous
-from lazyckpt.retention import steps_to_purge
-from lazyckpt.storage import Storage
+from lazyckpt.format.names import PARTIAL_SUFFIX, SUPERSEDED_SUFFIX, step_dirname
+from lazyckpt.levels.retention import steps_to_purge
+from lazyckpt.ranks.rendezvous import Rendezvous, leader_of
+from lazyckpt.storage import Storage, StorageLock
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from lazyckpt.remote.upload import RemoteLevel
+    from lazyckpt.levels.remote.upload import RemoteLevel
 
 
 def meet_ranks(dirpath: str, storage: Storage, config: CheckpointConfig, store: Any) -> Rendezvous | None:
@@ -56,8 +60,7 @@ class CommittedSteps:
     @property
     def leads(self) -> bool:
         """This rank removes, moves and purges in its directory (rank 0, or its directory's leader)."""
-        leader = 0 if self._rendezvous is None else self._rendezvous.leader
-        return self.config.rank == leader
+        return self.config.rank == leader_of(self._rendezvous)
 
     def check_order(self, step: int) -> None:
         """Refuse (or make room for) a step lower than the newest committed one: ``latest()`` must be the
@@ -115,3 +118,49 @@ class CommittedSteps:
         for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,
                                    protected=uploading):  # purged by a later commit once uploaded
             self.remove(step)
+
+
+class DirectoryLock:
+    """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies)."""
+
+    def __init__(self, dirpath: str, rank: int, storage: Storage) -> None:
+        self.path = os.path.join(dirpath, f".lock-rank{rank:05d}")
+        try:
+            self._lock: StorageLock | None = storage.lock(self.path)
+        except BlockingIOError:
+            raise DirectoryLockedError(
+                f"another live LazyCheckpointer writes {dirpath} as rank {rank}; close() it first or use "
+                "another dirpath"
+            ) from None
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def remove_partials(dirpath: str, storage: Storage) -> list[str]:
+    """Delete ``*.partial`` directories and stray temp files a crash left behind; returns what was removed."""
+    removed = []
+    for name in storage.list_dir(dirpath):
+        if name.endswith(PARTIAL_SUFFIX):
+            storage.remove_tree(os.path.join(dirpath, name))
+            removed.append(name)
+    if removed:
+        logger.info("lazyckpt: removed %d partial checkpoint(s) left by an earlier run in %s", len(removed), dirpath)
+    return removed
+
+
+def move_aside(dirpath: str, step: int, storage: Storage) -> str:
+    """Rename the committed checkpoint of ``step`` to ``step-N.superseded`` (``.superseded-2``, ... when taken):
+    kept for the user, but no longer a committed checkpoint. Returns the new path."""
+    name = step_dirname(step)
+    for attempt in range(1, 1000):
+        suffix = SUPERSEDED_SUFFIX if attempt == 1 else f"{SUPERSEDED_SUFFIX}-{attempt}"
+        target = os.path.join(dirpath, name + suffix)
+        if storage.stat(target) is None:
+            storage.rename(os.path.join(dirpath, name), target, sync=True)
+            logger.warning("lazyckpt: moved the newer checkpoint %s aside to %s (on_older_step='move_aside')",
+                           name, target)
+            return target
+    raise FileExistsError(f"{dirpath} holds 999 superseded copies of {name}; delete some of them")

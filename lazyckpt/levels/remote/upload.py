@@ -3,7 +3,7 @@
 One uploader thread per checkpointer takes committed step directories from the local level (never tensors from
 the training process) and streams them to ``remote/step-NNNNNNN/``: each rank its own tensor file, then its
 rank manifest; the ranks then meet (through the process group's store when there is one, see
-:mod:`lazyckpt.remote.rendezvous`) and rank 0 writes ``manifest.json`` once every rank's upload is durable: the
+:mod:`lazyckpt.levels.remote.meeting`) and rank 0 writes ``manifest.json`` once every rank's upload is durable: the
 commit object readers look for, written last. Older remote steps are pruned only after a newer one is committed there.
 A failed upload is queued once more at the next commit, from the same committed local files.
 
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest, step_dirname
-from lazyckpt.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
-from lazyckpt.remote.rendezvous import RemoteMeeting, StoreMeeting, upload_attempt
-from lazyckpt.retention import steps_to_purge
+from lazyckpt.levels.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
+from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_attempt
+from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.storage.urls import join

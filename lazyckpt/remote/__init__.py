@@ -1,1 +1,0 @@
-"""The remote level: checkpoints uploaded through fsspec behind the node-local directory (docs/remote.md)."""
