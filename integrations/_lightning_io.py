@@ -1,7 +1,7 @@
 """The Lightning checkpoint dict and lazyckpt: loading weights into a module, the per-rank RNG states, the lazy
 request of a step, the CheckpointIO that resume goes through, and where the callback reports (console, loggers).
 Reading a lazyckpt checkpoint as a Lightning checkpoint dict and exporting it to a plain ``.ckpt`` file are
-:mod:`lazyckpt.lightning_format` and :mod:`lazyckpt.export` (the CLI uses them too); this module's names for them
+:mod:`lazyckpt.interop.lightning_format` and :mod:`lazyckpt.interop.export` (the CLI uses them too); this module's names for them
 are the public ones.
 
 Nothing here imports ``lightning`` or ``pytorch_lightning``; the two bindings add their base classes.
@@ -27,8 +27,8 @@ import torch
 
 import lazyckpt
 from lazyckpt.engine import PendingCheckpoint
-from lazyckpt.export import export_lightning as export_checkpoint
-from lazyckpt.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
+from lazyckpt.interop.export import export_lightning as export_checkpoint
+from lazyckpt.interop.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
 from lazyckpt.policy import Reporter, ResumedRng, RunLayout, capture_rng, check_fits, find_generators, restore_sharded
 from lazyckpt.read.load import check_committed
 

@@ -26,7 +26,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 
 from lazyckpt.format.names import MANIFEST
-from lazyckpt.lightning_format import lightning_checkpoint_bytes
+from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
 
 from ._lightning_io import URL_PREFIX, local_path
 

@@ -29,9 +29,9 @@ from rich.text import Text
 from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
-from lazyckpt.export import FORMATS, export
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.names import MANIFEST
+from lazyckpt.interop.export import FORMATS, export
 from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader, placeholders
 from lazyckpt.read.tensor_io import read_tensor_bytes

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import lazyckpt
-from lazyckpt.export import export
+from lazyckpt.interop.export import export
 
 
 class TiedLM(nn.Module):

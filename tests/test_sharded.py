@@ -151,12 +151,12 @@ def test_load_of_a_rank_the_checkpoint_lacks_says_to_use_load_into(tmp_path):
 def _reshard_with_dcp(rank, world_size, dirpath, full_at_save):
     import torch.distributed.checkpoint as dcp
 
-    import lazyckpt.dcp
+    import lazyckpt.interop.dcp
 
     model, opt = _fresh()
     msd, osd = get_state_dict(model, [opt])
     state = {"model": msd, "optim": osd, "step": 0}
-    dcp.load(state, storage_reader=lazyckpt.dcp.StorageReader(lazyckpt.latest(dirpath)))
+    dcp.load(state, storage_reader=lazyckpt.interop.dcp.StorageReader(lazyckpt.latest(dirpath)))
     assert state["step"] == SAVE_AT
     set_state_dict(model, [opt], model_state_dict=state["model"], optim_state_dict=state["optim"])
     expected, filled = torch.load(full_at_save), _full(model, opt)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.lightning_format import lightning_checkpoint_bytes
+from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
 from lazyckpt.read.load import load
 from lazyckpt.storage import LocalStorage, Storage
 
@@ -58,7 +58,7 @@ def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[s
 
     The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
     ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it
-    (:func:`lazyckpt.lightning_format.lightning_checkpoint_bytes`).
+    (:func:`lazyckpt.interop.lightning_format.lightning_checkpoint_bytes`).
     """
     return _write_atomic(LocalStorage(), out_file, lightning_checkpoint_bytes(path, verify=verify))
 

@@ -9,7 +9,8 @@ what is read are verified. Plain values (ints, lists, ``param_groups``) are serv
 Example:
     >>> import torch.distributed.checkpoint as dcp                                            # doctest: +SKIP
     >>> state = {"model": msd, "optim": osd}    # e.g. from get_state_dict on the fresh model  # doctest: +SKIP
-    >>> dcp.load(state, storage_reader=lazyckpt.dcp.StorageReader(lazyckpt.latest("runs/ckpt")))  # doctest: +SKIP
+    >>> from lazyckpt.interop.dcp import StorageReader                                        # doctest: +SKIP
+    >>> dcp.load(state, storage_reader=StorageReader(lazyckpt.latest("runs/ckpt")))          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lazyckpt.format.header import torch_dtype
 from lazyckpt.format.names import MANIFEST
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
-from lazyckpt.storage import Storage
+from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.tree.paths import tensor_key
 
 
@@ -56,7 +57,9 @@ class StorageReader(dcp.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and os.path.isfile(os.path.join(checkpoint_id, MANIFEST))
+        if not isinstance(checkpoint_id, (str, os.PathLike)):
+            return False
+        return kind_of(LocalStorage(), os.path.join(os.fspath(checkpoint_id), MANIFEST)) is FileKind.FILE
 
     def read_metadata(self) -> Metadata:
         """Every global tensor with its blocks, and every plain value of rank 0's tree, under DCP's names."""

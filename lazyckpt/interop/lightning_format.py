@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.plain import weights_only_safe
+from lazyckpt.interop.weights_only import weights_only_safe
 from lazyckpt.read.load import check_committed, load
 
 EXTRA_KEY = "lazyckpt"
@@ -65,7 +65,7 @@ def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = T
     """The Lightning checkpoint stored at ``path`` as ``torch.save`` bytes holding only tensors and plain values,
     so ``torch.load(..., weights_only=True)`` and ``LightningModule.load_from_checkpoint`` accept them: a
     ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved container
-    (see :mod:`lazyckpt.plain`)."""
+    (see :mod:`lazyckpt.interop.weights_only`)."""
     buffer = io.BytesIO()
     torch.save(weights_only_safe(to_lightning_checkpoint(path, verify=verify)), buffer)
     return buffer.getvalue()

@@ -1,0 +1,9 @@
+"""Checkpoints shared with other tools: what they read of lazyckpt's, and lazyckpt's files in their formats.
+
+| module | owns |
+|---|---|
+| ``lightning_format`` | the Lightning checkpoint dict inside a ``LazyCheckpoint`` checkpoint, and its ``torch.save`` bytes |
+| ``weights_only`` | a loaded state made into what ``torch.load(weights_only=True)`` accepts |
+| ``export`` | ``lazyckpt export``: a Lightning ``.ckpt`` or a Hugging Face-style ``model.safetensors`` |
+| ``dcp`` | :class:`~lazyckpt.interop.dcp.StorageReader`: ``torch.distributed.checkpoint.load`` reads lazyckpt checkpoints (DCP's planner reshards) |
+"""
