@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt.engine import PendingCheckpoint
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import (CheckpointSession, RunLayout, UpdateLoop, capture_rng, check_fits, find_generators,
                              restore_rng)
 from lazyckpt.storage.urls import options_for

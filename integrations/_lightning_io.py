@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 import lazyckpt
-from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.interop.export import export_lightning as export_checkpoint
 from lazyckpt.interop.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import Reporter, ResumedRng, RunLayout, capture_rng, check_fits, find_generators, restore_sharded
 from lazyckpt.read.load import check_committed
 

@@ -14,16 +14,17 @@ from typing import Any
 
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy, OnOlderStep
-from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
+from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, CheckpointFormatError,
                              CheckpointMismatchError, CheckpointNotFoundError, CommitAbandoned, DirectoryLockedError,
                              NothingToRollBackTo, RemoteUnreachableError, RollbackLimitError,
                              SnapshotConsistencyError, StepAlreadyCommittedError, StepOrderError,
                              UnsupportedValueError)
+from lazyckpt.pending import PendingCheckpoint
+from lazyckpt.policy.randomness import capture_rng_state, restore_rng_state
 from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
 from lazyckpt.read.load import checkpoint_step, latest, load, verify
 from lazyckpt.read.reshard import load_into
-from lazyckpt.rng import capture_rng_state, restore_rng_state
 from lazyckpt.tree.encode import Deferred, PerRank
 from lazyckpt.tree.preflight import check_storable
 from lazyckpt.write.job import CheckpointStats

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import lazyckpt
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.engine import PendingCheckpoint
+from lazyckpt.pending import PendingCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"(?P<marker><!-- docs-check: (?P<kind>\w+) -->\n)?```python\n(?P<code>.*?)```", re.S)

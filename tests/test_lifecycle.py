@@ -14,8 +14,9 @@ import torch
 
 import lazyckpt
 from conftest import GatedBackend
-from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
+from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import IllegalTransitionError
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.storage import LocalStorage
 from lazyckpt.tree.encode import Deferred
 from lazyckpt.write.job import CheckpointJob, JobState

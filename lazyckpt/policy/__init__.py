@@ -6,42 +6,38 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 
 | module | owns |
 |---|---|
-| ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings |
+| ``options`` | :class:`SessionOptions`: the integrations' options, validated once at construction; defaults from a project's settings; a URL ``dirpath`` as a spool directory plus the remote level |
 | ``session`` | :class:`CheckpointSession`: the engine, which rank writes what, the barrier and stalls, retention |
 | ``steps`` | :class:`StepCounter`: steps from optimizer updates, when a checkpoint is due; :class:`StepRequests` |
 | ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks, the rollback's start, close |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention; :data:`NO_NAMES` outside a fit |
-| ``aliases`` | the names on disk (links through the storage seam) |
-| ``randomness`` | RNG states and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore |
+| ``randomness`` | RNG states (``lazyckpt.capture_rng_state``) and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore |
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed; :class:`Reporter`: where they go |
 | ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded; :func:`per_rank_source` when the number of ranks changed |
-| ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files; :func:`check_committed` |
-| ``levels`` | :func:`url_dirpath_levels`: a URL ``dirpath`` as a local spool directory plus the remote level |
+| ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files |
 """
 
 from __future__ import annotations
 
-from lazyckpt.errors import NothingToRollBackTo
 from lazyckpt.policy.feedback import (Reporter, RunFeedback, checkpoint_metrics, falling_behind, run_summary,
                                       summary_line)
 from lazyckpt.policy.fit import RunLayout, check_fits, differences
-from lazyckpt.policy.levels import url_dirpath_levels
 from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
-from lazyckpt.policy.options import EngineOptions, SessionOptions, project_defaults
+from lazyckpt.policy.options import (EngineOptions, SessionOptions, check_max_rollbacks, project_defaults,
+                                     url_dirpath_levels)
 from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint, resume_target
-from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, check_max_rollbacks, is_nonfinite
+from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.steps import StepCounter, StepRequests
-from lazyckpt.read.load import check_committed
 
-__all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions", "NothingToRollBackTo",
+__all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions",
            "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
-           "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_committed", "check_fits",
+           "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
            "is_nonfinite", "newest_checkpoint", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
            "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]

@@ -26,7 +26,7 @@ from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.steps import C, StepRequests
 
 if TYPE_CHECKING:
-    from lazyckpt.engine import PendingCheckpoint
+    from lazyckpt.pending import PendingCheckpoint
     from lazyckpt.policy.session import CheckpointSession
 
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from lazyckpt.engine import PendingCheckpoint
 from lazyckpt.format.names import step_dirname
 from lazyckpt.levels.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
 from lazyckpt.write.job import CheckpointStats

@@ -3,6 +3,12 @@
 To give both integrations a new option, add a field to :class:`SessionOptions`: each adapter passes the keywords
 named like its fields here (see :meth:`SessionOptions.from_keywords`), so nothing else changes. Options of the engine
 itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engine``.
+
+A URL ``dirpath`` (:func:`url_dirpath_levels`) is split the engine's own way (:func:`lazyckpt.levels.remote.spool.split_levels`)
+before the framework sees the directory: a framework that keeps its file names as links next to the checkpoints
+(Lightning's ``last.ckpt``) gets the private node-local spool directory, where the names and the local level live,
+and the URL becomes the remote level every checkpoint is uploaded to. ``keep_last_k`` applies on the remote; the
+spool keeps the newest checkpoint, the ones a name points at, and any still uploading.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
 from lazyckpt.config import CheckpointConfig, normalize_dirpath
-from lazyckpt.policy.rollback import check_max_rollbacks
+from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.read.load import latest
+from lazyckpt.storage import FileKind, LocalStorage, kind_of
+from lazyckpt.storage.urls import is_url
 
 ENGINE_OBJECTS = ("storage", "backend")
 """``LazyCheckpointer`` arguments that are objects, not ``CheckpointConfig`` fields."""
@@ -104,7 +112,7 @@ class SessionOptions:
         """The newest committed checkpoint in ``dirpath`` or on the remote level, as a local directory (a newer
         remote one is fetched into ``dirpath`` first, e.g. on a fresh node); None when there is none."""
         if self._config.remote is None:
-            return latest(dirpath) if os.path.isdir(dirpath) else None
+            return latest(dirpath) if kind_of(LocalStorage(), dirpath) is FileKind.DIR else None
         from lazyckpt.levels.remote.fetch import newest_on_this_node
 
         return newest_on_this_node(dirpath, self._config.remote, self._config.storage_options)
@@ -113,6 +121,12 @@ class SessionOptions:
         """``LazyCheckpointer`` keyword arguments; ``retention``: the engine applies ``keep_last_k`` itself."""
         return {**self.engine, "rank": rank, "world_size": world_size,
                 "keep_last_k": self.keep_last_k if retention else None}
+
+
+def check_max_rollbacks(value: Any) -> None:
+    """Raise ``ValueError`` unless ``max_rollbacks`` is a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_rollbacks={value!r} must be a non-negative int (0 stops at the first non-finite loss)")
 
 
 def project_defaults(dirpath: str | os.PathLike[str] | None, options: SessionOptions, *, project_dir: str | None,
@@ -131,3 +145,18 @@ def project_defaults(dirpath: str | os.PathLike[str] | None, options: SessionOpt
     if options.keep_last_k is None and total_limit is not None:
         options = dataclasses.replace(options, keep_last_k=total_limit)
     return normalize_dirpath(dirpath), options
+
+
+def url_dirpath_levels(dirpath: str | os.PathLike[str] | None,
+                       options: SessionOptions) -> tuple[str | os.PathLike[str] | None, SessionOptions]:
+    """``(local directory, options)`` for ``dirpath``: for a URL, the spool directory and ``options`` whose remote
+    level is that URL; anything else is returned unchanged.
+
+    Raises:
+        ValueError: ``remote=`` names another URL, or ``remote_every_n`` is not 1 (every checkpoint goes remote).
+    """
+    if not is_url(dirpath):
+        return dirpath, options
+    spool, config = split_levels(normalize_dirpath(dirpath), options._config)
+    return spool, dataclasses.replace(options, remote=config.remote, remote_keep_last_k=config.remote_keep_last_k,
+                                      keep_last_k=config.keep_last_k)

@@ -13,10 +13,9 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.format.names import MANIFEST
 from lazyckpt.read.load import latest
-from lazyckpt.storage import FileKind, LocalStorage, Storage
+from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 
 if TYPE_CHECKING:
     from lazyckpt.policy.options import SessionOptions
@@ -45,6 +44,6 @@ def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] =
     then :func:`newest_checkpoint` picks among the local ones and ``others`` (another tool's files). None when
     there is nothing to resume."""
     options.newest_on_this_node(dirpath)
-    if not os.path.isdir(dirpath):
+    if kind_of(LocalStorage(), dirpath) is not FileKind.DIR:
         return None
     return newest_checkpoint(dirpath, others=others)

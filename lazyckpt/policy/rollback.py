@@ -33,6 +33,7 @@ import torch
 
 from lazyckpt.errors import NothingToRollBackTo, RollbackLimitError
 from lazyckpt.format.catalog import committed_steps
+from lazyckpt.policy.options import check_max_rollbacks
 from lazyckpt.read.load import load
 
 if TYPE_CHECKING:
@@ -198,11 +199,6 @@ class RollbackPolicy:
                 " Training diverges from that state whatever the batch: lower the learning rate, inspect the data "
                 "after that step, or raise max_rollbacks")
         self.total += 1
-
-
-def check_max_rollbacks(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"max_rollbacks={value!r} must be a non-negative int (0 stops at the first non-finite loss)")
 
 
 def clone_to_cpu(tree: Any) -> Any:

@@ -27,11 +27,12 @@ from typing import Any, Literal
 import torch
 
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.engine import LazyCheckpointer, PendingCheckpoint
+from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.levels.remote.catalog import newest_checkpoint
 from lazyckpt.levels.retention import steps_to_purge
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.options import SessionOptions
 from lazyckpt.ranks.group import default_store
 from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages

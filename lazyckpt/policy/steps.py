@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from lazyckpt.engine import PendingCheckpoint
+    from lazyckpt.pending import PendingCheckpoint
 
 
 class _HasStep(Protocol):
