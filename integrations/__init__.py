@@ -1,1 +1,19 @@
-"""Thin adapters from training frameworks to the lazyckpt engine."""
+"""Thin adapters from training frameworks to the lazyckpt engine: each translates its framework's events into calls
+on the policy layer (:mod:`lazyckpt.policy`) and holds no format, threading or retention code.
+
+| module | owns |
+|---|---|
+| ``lightning`` | ``LazyCheckpoint``, ``LazyCheckpointIO`` for ``lightning`` (``import lightning.pytorch``) |
+| ``pytorch_lightning`` | the same classes on ``pytorch_lightning``'s base classes |
+| ``_lightning_core`` | the ``LazyCheckpoint`` mixin: ModelCheckpoint's decisions, each save one lazy request |
+| ``_lightning_barrier`` | the callback that runs the barrier first, before the optimizer step |
+| ``_lightning_files`` | ModelCheckpoint's file names as names of committed step directories |
+| ``_lightning_io`` | the ``CheckpointIO`` that loads lazyckpt checkpoints, the Lightning checkpoint dict, exports |
+| ``_lightning_rollback`` | a rollback on a non-finite loss under the Trainer |
+| ``accelerate`` | ``LazyCheckpointHook`` for an ``Accelerator``'s loop |
+| ``_accelerate_state`` | what the hook reads from and restores into the prepared objects, and its torch hooks |
+| ``_accelerate_sharded`` | Accelerate's FSDP version 2: each process its own shards, resharded on resume |
+| ``_accelerate_rollback`` | ``hook.rollback()``: the loop's state into the rollback policy and back |
+| ``url`` | ``lazyckpt://`` URLs: Lightning's own loading reads lazyckpt checkpoints |
+| ``_compat`` | every private Lightning and Accelerate attribute the adapters use, each with its reason |
+"""

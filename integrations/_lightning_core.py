@@ -15,11 +15,11 @@ from typing import Any, ClassVar, Literal
 
 from typing_extensions import override
 
-import lazyckpt
+from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
                              SessionOptions, url_dirpath_levels)
 from lazyckpt.tree.preflight import check_hyperparameters
-from lazyckpt.write.job import CheckpointStats
+from lazyckpt.write.stats import CheckpointStats
 
 from . import _compat
 from ._lightning_files import LazyFileOperationsMixin
@@ -90,7 +90,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         return self._trainer_ref()
 
     @property
-    def engine(self) -> lazyckpt.LazyCheckpointer | None:
+    def engine(self) -> LazyCheckpointer | None:
         """This rank's engine while fitting (None before ``setup`` and after ``teardown``)."""
         return None if self.session is None else self.session.engine
 

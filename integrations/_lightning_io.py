@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-import lazyckpt
+from lazyckpt._version import __version__
 from lazyckpt.interop.export import export_lightning as export_checkpoint
 from lazyckpt.interop.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import Reporter, ResumedRng, RunLayout, capture_rng, check_fits, find_generators, restore_sharded
 from lazyckpt.read.load import check_committed
+from lazyckpt.storage import FileKind, LocalStorage, kind_of
 
 from . import _compat
 
@@ -43,7 +44,7 @@ URL_PREFIX = "lazyckpt://"
 # ------------------------------------------------------------------------------------------ reading
 def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
     """True for a directory (or an alias symlink to one); lazyckpt checkpoints are directories."""
-    return os.path.isdir(os.fspath(path))
+    return kind_of(LocalStorage(), os.fspath(path)) is FileKind.DIR
 
 
 def local_path(url: str | os.PathLike[str]) -> str:
@@ -70,7 +71,7 @@ def per_rank_extra(trainer: Any) -> dict[str, Any]:
     """lazyckpt's additions to this rank's Lightning checkpoint: RNG states (train loaders' generators included)."""
     generators = find_generators(_compat.train_loaders(trainer), "train")
     return {"rng": capture_rng(generators), "rank": trainer.global_rank, "world_size": trainer.world_size,
-            "version": lazyckpt.__version__}
+            "version": __version__}
 
 
 def restore_train_rng(trainer: Any, rng: ResumedRng) -> None:
@@ -86,10 +87,14 @@ def restore_train_rng(trainer: Any, rng: ResumedRng) -> None:
         _compat.restart_train_iterator(trainer)
 
 
+_ROUTED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Strategies whose ``load_checkpoint`` :func:`route_sharded_loads` replaced already."""
+
+
 def route_sharded_loads(strategy: Any) -> None:
     """Make ``strategy.load_checkpoint`` restore lazyckpt checkpoints, resharded, when the strategy loads them
     itself instead of through its CheckpointIO (ModelParallelStrategy); other paths keep its own loader."""
-    if not _compat.loads_checkpoints_itself(strategy) or getattr(strategy, "_lazyckpt_routed", False):
+    if not _compat.loads_checkpoints_itself(strategy) or strategy in _ROUTED:
         return
     own = strategy.load_checkpoint
 
@@ -101,7 +106,8 @@ def route_sharded_loads(strategy: Any) -> None:
                                model_key="state_dict", optimizers_key="optimizer_states", run_keys=(EXTRA_KEY,),
                                rank=strategy.global_rank, world_size=strategy.world_size)
 
-    strategy.load_checkpoint, strategy._lazyckpt_routed = load_checkpoint, True
+    strategy.load_checkpoint = load_checkpoint
+    _ROUTED.add(strategy)
 
 
 def request_snapshot(callback: Any, step: int) -> PendingCheckpoint | None:
@@ -154,7 +160,7 @@ class LazyCheckpointIOMixin:
         trainer = owner.trainer if owner is not None else None
         path = local_path(path)
         if not is_lazyckpt_path(path):
-            if not os.path.exists(os.fspath(path)):
+            if kind_of(LocalStorage(), os.fspath(path)) is None:
                 check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
             return self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         rank = trainer.global_rank if trainer is not None else 0
@@ -168,8 +174,10 @@ class LazyCheckpointIOMixin:
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        if os.path.islink(os.fspath(path)):
-            os.unlink(os.fspath(path))
+        storage, name = LocalStorage(), os.fspath(path)
+        info = storage.stat(name)
+        if info is not None and info.kind is FileKind.LINK:  # a name of a step directory: the step stays
+            storage.remove_file(name)
         else:
             self.base.remove_checkpoint(path)
 

@@ -20,8 +20,10 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from lazyckpt import CheckpointMismatchError, LazyCheckpointer, PendingCheckpoint
 from lazyckpt.config import normalize_dirpath
+from lazyckpt.engine import LazyCheckpointer
+from lazyckpt.errors import CheckpointMismatchError
+from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import CheckpointSession, Reporter, SessionOptions, UpdateLoop, project_defaults
 from lazyckpt.tree.preflight import check_storable
 

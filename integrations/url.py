@@ -25,8 +25,9 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from lazyckpt.format.names import MANIFEST
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
+from lazyckpt.storage import FileKind, LocalStorage
 
 from ._lightning_io import URL_PREFIX, local_path
 
@@ -44,11 +45,10 @@ class LazyCheckpointFileSystem(AbstractFileSystem):
         return local_path(super()._strip_protocol(path)) if isinstance(path, str) else super()._strip_protocol(path)
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        manifest = os.path.join(self._strip_protocol(path), MANIFEST)
-        if not os.path.isfile(manifest):
+        manifest = LocalStorage().stat(os.path.join(self._strip_protocol(path), MANIFEST))
+        if manifest is None or manifest.kind is not FileKind.FILE:
             raise FileNotFoundError(f"{path} is not a committed lazyckpt checkpoint (no {MANIFEST} there)")
-        return {"name": self._strip_protocol(path), "size": None, "type": "file",
-                "mtime": os.stat(manifest).st_mtime}
+        return {"name": self._strip_protocol(path), "size": None, "type": "file", "mtime": manifest.mtime}
 
     def modified(self, path: str) -> datetime.datetime:
         return datetime.datetime.fromtimestamp(self.info(path)["mtime"], tz=datetime.timezone.utc)

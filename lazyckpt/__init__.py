@@ -6,6 +6,21 @@ Example:
     ...     pending = ckpt.save({"model": model.state_dict()}, step=1, optimizers=[opt])
     ...     ckpt.wait_staged()        # right before the next optimizer.step()
     >>> state = lazyckpt.load(lazyckpt.latest("runs/ckpt"))                   # doctest: +SKIP
+
+The file tree is the pipeline (docs/design.md). Each package imports only from the ones below it:
+
+| layer | package or module | owns |
+|---|---|---|
+| 0 | ``errors``, ``threads``, ``_version`` | every exception; how background threads start; the version |
+| 1 | ``storage/`` | the one seam to files and objects |
+| 2 | ``config``, ``format/`` | the checkpointer's settings; the on-disk format in code |
+| 3 | ``tree/``, ``triton_kernels/`` | the state codec; the Triton copy kernels |
+| 4 | ``ranks/`` | who writes what, and how ranks agree |
+| 5 | ``write/``, ``read/`` | the write path and its mirror (never importing each other) |
+| 6 | ``levels/``, ``interop/`` | memory, local and remote levels; other tools' formats |
+| 7 | ``pending``, ``engine`` | the handle ``save()`` returns; ``LazyCheckpointer``, the wiring of it all |
+| 8 | ``policy/`` | one training run's checkpoint policy, shared by the integrations |
+| 9 | ``integrations/``, ``cli`` | the framework adapters; the ``lazyckpt`` command line |
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from lazyckpt.read.load import checkpoint_step, latest, load, verify
 from lazyckpt.read.reshard import load_into
 from lazyckpt.tree.encode import Deferred, PerRank
 from lazyckpt.tree.preflight import check_storable
-from lazyckpt.write.job import CheckpointStats
+from lazyckpt.write.stats import CheckpointStats
 
 _INTEGRATIONS = {
     "LazyCheckpoint": "lazyckpt.integrations.lightning",

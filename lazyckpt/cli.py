@@ -30,7 +30,7 @@ from rich.tree import Tree
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.format.names import MANIFEST
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import FORMATS, export
 from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader, placeholders

@@ -26,8 +26,8 @@ import torch
 
 from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
 from lazyckpt.errors import StepAlreadyCommittedError
-from lazyckpt.format.names import step_dirname
-from lazyckpt.levels.local import CommittedSteps, DirectoryLock, meet_ranks
+from lazyckpt.format.files import step_dirname
+from lazyckpt.levels.directory import CommittedSteps, DirectoryLock, meet_ranks
 from lazyckpt.levels.memory import MemoryLevel
 from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.levels.remote.upload import RemoteLevel, open_remote_level

@@ -8,8 +8,8 @@ import os
 import struct
 
 from lazyckpt.format.checksum import sha256_hex
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.format.manifest import encode_manifest, seal_manifest
-from lazyckpt.format.names import MANIFEST
 
 FILE = "rank-00000-of-00001.safetensors"
 RANK0 = "rank-00000.json"

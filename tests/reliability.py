@@ -33,7 +33,7 @@ import lazyckpt  # noqa: E402
 import lazyckpt.read.reader  # noqa: E402
 from _forge import edit_manifest, read_json, reseal, split_tensor_file, write_tensor_file  # noqa: E402
 from _soak import soak  # noqa: E402
-from lazyckpt.format.names import MANIFEST  # noqa: E402
+from lazyckpt.format.files import MANIFEST  # noqa: E402
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 
 REFUSALS = (lazyckpt.CheckpointFormatError, lazyckpt.CheckpointNotFoundError)

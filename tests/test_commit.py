@@ -13,7 +13,7 @@ import torch
 import lazyckpt
 from conftest import FaultyStorage, assert_tree_equal, load_through
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 
 
 def _state(value: float) -> dict:

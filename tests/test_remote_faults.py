@@ -14,7 +14,7 @@ import lazyckpt
 from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
 from conftest import snapshot, step
 from lazyckpt.errors import RemoteUnreachableError
-from lazyckpt.levels.remote.catalog import remote_steps
+from lazyckpt.levels.remote.contents import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage
 
 

@@ -111,7 +111,7 @@ def test_lightning_with_a_url_dirpath_uploads_every_checkpoint_and_resumes_from_
     import torch
     from _lightning_helpers import run
 
-    from lazyckpt.levels.remote.catalog import remote_steps
+    from lazyckpt.levels.remote.contents import remote_steps
     from lazyckpt.storage.fsspec import FsspecStorage
 
     url, options = s3_remote

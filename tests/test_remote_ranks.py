@@ -16,7 +16,7 @@ from _distributed import run_ranks
 from _remote_helpers import FlakyRemote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from lazyckpt.errors import CommitAbandoned
 from lazyckpt.levels.remote import fetch
-from lazyckpt.levels.remote.catalog import remote_steps
+from lazyckpt.levels.remote.contents import remote_steps
 from lazyckpt.levels.remote.meeting import StoreMeeting
 from lazyckpt.ranks.group import default_store
 from lazyckpt.storage.fsspec import FsspecStorage
@@ -80,7 +80,7 @@ def test_ranks_sharing_a_directory_fetch_a_remote_checkpoint_once(tmp_path, monk
     both_looked, second_fetch, fetches = threading.Barrier(2), threading.Event(), []
 
     def newest_then_meet(*args):  # both ranks see only the remote copy before either fetches it
-        found = lazyckpt.levels.remote.catalog.newest_checkpoint(*args)
+        found = lazyckpt.levels.remote.contents.newest_checkpoint(*args)
         both_looked.wait(timeout=60)
         return found
 

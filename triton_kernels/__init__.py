@@ -5,6 +5,12 @@ launch. On a CUDA machine they copy CUDA tensors into pinned host memory on the 
 ``TRITON_INTERPRET=1`` set before triton is imported they run in the Triton interpreter on CPU tensors,
 which is how CI tests them. Design notes: docs/triton.md.
 
+| module | owns |
+|---|---|
+| ``_table`` | the segment table a launch reads (built, validated and cached per layout) |
+| ``_kernels`` | the Triton kernels: chunked copy with fused checksums, checksum only |
+| ``_launch`` | the host launchers: inputs checked, table built or reused, grid sized, kernel launched |
+
 Example:
     >>> import torch
     >>> from lazyckpt.triton_kernels import chunk_segments, checksums_to_list, copy_with_checksums

@@ -3,7 +3,7 @@ and the strict checks every reader runs. Pure: nothing here writes, and reading 
 
 | module | owns |
 |---|---|
-| ``names`` | the format version, and the names of checkpoint directories, tensor files and manifests |
+| ``files`` | the format version, and the names of a checkpoint's directory, tensor files and manifests |
 | ``header`` | dtypes, :class:`~lazyckpt.format.header.TensorEntry`, the safetensors header (built, and checked when read) |
 | ``manifest`` | the rank manifests and ``manifest.json`` (global view), built and sealed |
 | ``schema`` | the strict checks of a manifest: its seal, then a table of fields per kind and version |

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from lazyckpt.format.names import MANIFEST, STEP_DIR
+from lazyckpt.format.files import MANIFEST, STEP_DIR
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, join
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from lazyckpt.errors import UnsupportedValueError
 from lazyckpt.format.checksum import ALGORITHM, CHUNK_BYTES, sha256_hex
+from lazyckpt.format.files import FORMAT_NAME, FORMAT_VERSION, rank_manifest
 from lazyckpt.format.header import TensorEntry
-from lazyckpt.format.names import FORMAT_NAME, FORMAT_VERSION, rank_manifest
 
 MAX_MANIFEST_BYTES = 256 << 20
 """Largest manifest a reader accepts (checked before reading): room for a million tensors' checksums plus

@@ -12,9 +12,9 @@ from typing import Any
 
 from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.checksum import ALGORITHM, CHUNK_BYTES, num_chunks, sha256_hex
+from lazyckpt.format.files import FORMAT_NAME, READABLE_VERSIONS
 from lazyckpt.format.header import check_shape, numel_of, parse_json, torch_dtype
 from lazyckpt.format.manifest import SEAL_FIELD
-from lazyckpt.format.names import FORMAT_NAME, READABLE_VERSIONS
 
 Check = Callable[[Any, str, dict[str, Any]], None]
 """A field check: (value, where (file and field, for the message), the whole document)."""

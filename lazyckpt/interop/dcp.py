@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.format.header import torch_dtype
-from lazyckpt.format.names import MANIFEST
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of

@@ -3,8 +3,8 @@
 | module | owns |
 |---|---|
 | ``memory`` | :class:`~lazyckpt.levels.memory.MemoryLevel`: the newest committed snapshot kept in the staging pool, for a rollback without the disk |
-| ``local`` | the local level: the directory lock, who leads a directory, crash leftovers, step order, ``keep_last_k`` after each commit |
+| ``directory`` | the local level: the directory lock, who leads a directory, crash leftovers, step order, ``keep_last_k`` after each commit |
 | ``retention`` | pure keep/purge decisions over committed steps, shared by every level |
 | ``aliases`` | names of checkpoints on disk (``last.ckpt -> step-0000040``), links through the storage seam |
-| ``remote`` | the remote level behind the local one (package: ``upload``, ``meeting``, ``catalog``, ``fetch``, ``spool``) |
+| ``remote`` | the remote level behind the local one (package: ``upload``, ``meeting``, ``contents``, ``fetch``, ``spool``) |
 """

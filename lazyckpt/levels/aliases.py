@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from lazyckpt.format.names import STEP_DIR
+from lazyckpt.format.files import STEP_DIR
 from lazyckpt.storage import FileKind, Storage
 
 

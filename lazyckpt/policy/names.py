@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from lazyckpt.format.names import step_dirname
+from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.feedback import Reporter, RunFeedback

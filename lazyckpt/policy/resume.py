@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from lazyckpt.format.names import MANIFEST
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.read.load import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 

@@ -30,7 +30,7 @@ from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.levels.remote.catalog import newest_checkpoint
+from lazyckpt.levels.remote.contents import newest_checkpoint
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.options import SessionOptions

@@ -22,7 +22,7 @@ import torch
 
 from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of

@@ -17,9 +17,9 @@ import torch
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format.checksum import sha256_hex
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.header import header_length, parse_header, torch_dtype
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
-from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.schema import check_member_name, parse_manifest
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage

@@ -18,16 +18,17 @@ import torch
 
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.format.checksum import format_checksum, num_chunks
+from lazyckpt.format.files import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.format.header import TensorEntry, build_header, dcp_sharding_metadata, dtype_name
 from lazyckpt.format.manifest import global_index, tensor_summary, tensor_table_doc
-from lazyckpt.format.names import PARTIAL_SUFFIX, step_dirname
 from lazyckpt.ranks.replicas import window_tensors
 from lazyckpt.ranks.sharding import Box, local_tensor
 from lazyckpt.storage import Storage
 from lazyckpt.tree.encode import flatten
-from lazyckpt.write.job import CheckpointJob, CheckpointStats
+from lazyckpt.write.job import CheckpointJob
 from lazyckpt.write.plan import Piece, layout, plan_pieces
 from lazyckpt.write.staging import CopyBackend
+from lazyckpt.write.stats import CheckpointStats
 from lazyckpt.write.structure import StructureCache
 
 

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.errors import CheckpointDiscardedError
+from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest
 from lazyckpt.format.manifest import encode_manifest, global_index, rank_manifest_doc, tensor_summary, top_manifest_doc
-from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest
 from lazyckpt.format.schema import check_global_tensors
 from lazyckpt.ranks.rendezvous import Rendezvous, leader_of, poll_until
 from lazyckpt.storage import Storage

@@ -113,7 +113,7 @@ class CheckpointJob:
 
     @property
     def file_path(self) -> str:
-        from lazyckpt.format.names import rank_file
+        from lazyckpt.format.files import rank_file
 
         return os.path.join(self.partial_dir, rank_file(self.rank, self.world_size))
 

@@ -4,7 +4,7 @@
 |---|---|
 | ``upload`` | :class:`~lazyckpt.levels.remote.upload.RemoteLevel`: one uploader thread per checkpointer, the remote commit and retention |
 | ``meeting`` | how the ranks' uploads of one step meet before rank 0 writes the commit object (the store, or the remote itself) |
-| ``catalog`` | what a remote holds (by the format's commit rule), partial uploads, commit-aware removal, the newest of both levels |
+| ``contents`` | what a remote holds (by the format's commit rule), partial uploads, commit-aware removal, the newest of both levels |
 | ``fetch`` | a remote checkpoint brought to this node for frameworks that resume only from a local path |
 | ``spool`` | a URL ``dirpath`` split into a node-local spool directory and the remote level behind it |
 """

@@ -21,8 +21,8 @@ import os
 import posixpath
 from typing import Any
 
-from lazyckpt.format.names import MANIFEST, PARTIAL_SUFFIX
-from lazyckpt.levels.remote.catalog import newest_checkpoint
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.levels.remote.contents import newest_checkpoint
 from lazyckpt.storage import LocalStorage, wait_for_lock
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.storage.urls import is_url, join

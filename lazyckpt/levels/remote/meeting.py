@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lazyckpt.format.names import MANIFEST, rank_manifest
+from lazyckpt.format.files import MANIFEST, rank_manifest
 from lazyckpt.ranks.rendezvous import Rendezvous, poll_until
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import RemoteUnreachableError
+from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
-from lazyckpt.format.names import MANIFEST, rank_file, rank_manifest, step_dirname
-from lazyckpt.levels.remote.catalog import remote_steps, remove_partial_uploads, remove_remote_step
+from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_attempt
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage, Storage

@@ -1,4 +1,4 @@
-"""The names of the on-disk format (docs/FORMAT.md): format version, files and directories of a checkpoint."""
+"""The names of the on-disk format (docs/FORMAT.md): its version, and the files and directories of a checkpoint."""
 
 from __future__ import annotations
 

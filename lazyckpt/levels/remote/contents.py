@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from lazyckpt.format.catalog import catalog, committed_steps
-from lazyckpt.format.names import MANIFEST
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lazyckpt.config import CheckpointConfig, OnOlderStep
 from lazyckpt.errors import DirectoryLockedError, StepOrderError
 from lazyckpt.format.catalog import committed_steps
-from lazyckpt.format.names import PARTIAL_SUFFIX, SUPERSEDED_SUFFIX, step_dirname
+from lazyckpt.format.files import PARTIAL_SUFFIX, SUPERSEDED_SUFFIX, step_dirname
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.ranks.rendezvous import Rendezvous, leader_of
 from lazyckpt.storage import Storage, StorageLock
