@@ -14,23 +14,16 @@ import json
 import os
 import random
 import shutil
-import socket
-import sys
 import time
 import traceback
 from typing import Any
 
-from report import _cell, _m, _mul, _target, spread
+from harness import chosen_keys, emit, fork_server, free_port, log, run_facts, work_root, workload_of
+from report import cell, metric, scaled, target_row, spread
 from workload import MiB, Workload, median
 
 RANK_METRICS = ("stall_ms", "engine_stall_ms", "durable_s", "extra_rss_mb", "extra_rss_x_shard", "e2e_slowdown_pct",
                 "written_mb")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- one rank ----------------------------------------------------------------------------------------------------
@@ -202,13 +195,13 @@ def check_targets(entries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any
     if "lazyckpt_fsdp2" in by_key:
         lazy, dcp = by_key["lazyckpt_fsdp2"], by_key.get("dcp_stager_fsdp2")
         out["lazyckpt_fsdp2"] = [
-            _target("stall <= 1/10 of DCP + DefaultStager's", _m(lazy, "stall_ms"), _mul(_m(dcp, "stall_ms"), 0.1)),
-            _target("time to durable <= DCP + DefaultStager's", _m(lazy, "durable_s"), _m(dcp, "durable_s")),
-            _target("peak extra RSS per rank <= 1.2x its shard bytes", _m(lazy, "extra_rss_x_shard"), 1.2)]
+            target_row("stall <= 1/10 of DCP + DefaultStager's", metric(lazy, "stall_ms"), scaled(metric(dcp, "stall_ms"), 0.1)),
+            target_row("time to durable <= DCP + DefaultStager's", metric(lazy, "durable_s"), metric(dcp, "durable_s")),
+            target_row("peak extra RSS per rank <= 1.2x its shard bytes", metric(lazy, "extra_rss_x_shard"), 1.2)]
     if "lazyckpt_ddp_split" in by_key:
         out["lazyckpt_ddp_split"] = [
-            _target("time to durable <= 0.7x rank 0 writing all", _m(by_key["lazyckpt_ddp_split"], "durable_s"),
-                    _mul(_m(by_key.get("lazyckpt_ddp_rank0"), "durable_s"), 0.7))]
+            target_row("time to durable <= 0.7x rank 0 writing all", metric(by_key["lazyckpt_ddp_split"], "durable_s"),
+                    scaled(metric(by_key.get("lazyckpt_ddp_rank0"), "durable_s"), 0.7))]
     return out
 
 
@@ -221,11 +214,11 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
         verified = "yes" if e["verified"] else "**FAIL**"
 
         def both(name: str, fmt: str) -> str:
-            return f"{_cell(e, name, fmt)}; median rank {_cell(e, name + '_median', fmt)}"
+            return f"{cell(e, name, fmt)}; median rank {cell(e, name + '_median', fmt)}"
 
-        row = [e["name"], verified, both("stall_ms", ".1f"), _cell(e, "engine_stall_ms", ".1f"),
-               both("durable_s", ".2f"), _cell(e, "extra_rss_mb", ".0f"), _cell(e, "extra_rss_x_shard", ".2f"),
-               _cell(e, "e2e_slowdown_pct", "+.1f"), _cell(e, "written_mb", ".0f")]
+        row = [e["name"], verified, both("stall_ms", ".1f"), cell(e, "engine_stall_ms", ".1f"),
+               both("durable_s", ".2f"), cell(e, "extra_rss_mb", ".0f"), cell(e, "extra_rss_x_shard", ".2f"),
+               cell(e, "e2e_slowdown_pct", "+.1f"), cell(e, "written_mb", ".0f")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -233,13 +226,8 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
 # --- the benchmark -----------------------------------------------------------------------------------------------
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[list[str], list[dict]]:
     """One reference run per driver, then every method ``--repeats`` times, shuffled per repeat."""
-    from compare import chosen_keys
     from dist_methods import DIST_BASELINE_FOR, DIST_METHODS
 
     keys = chosen_keys(args.methods, DIST_METHODS, DIST_BASELINE_FOR)
@@ -268,7 +256,6 @@ def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[li
 
 def main(args: Any, machine_info: Any) -> int:
     """``compare.py --world-size N``: run, print the table and the targets, write ``--json``."""
-    from compare import emit, fork_server, run_facts, work_root, workload_of
     from dist_methods import DIST_BASELINE_FOR, DIST_METHODS
 
     workload = workload_of(args)

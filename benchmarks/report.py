@@ -101,7 +101,7 @@ def _quiet(run: dict[str, Any]) -> float | None:
     return median(steps) if steps else None
 
 
-def _m(entry: dict | None, name: str) -> float | None:
+def metric(entry: dict | None, name: str) -> float | None:
     value = (entry or {}).get(name)
     return value["median"] if isinstance(value, dict) else None
 
@@ -115,24 +115,24 @@ def check_targets(entries: list[dict[str, Any]], state_bytes: int) -> dict[str, 
     for e in entries:
         if e["kind"] != "lazyckpt" or not e.get("available"):
             continue
-        stall, loop, durable = _m(e, "stall_ms"), _m(e, "in_loop_overhead_ms"), _m(e, "time_to_durable_s")
+        stall, loop, durable = metric(e, "stall_ms"), metric(e, "in_loop_overhead_ms"), metric(e, "time_to_durable_s")
         raw = by_key.get("raw")
-        best = min((p for p in peers if _m(p, "in_loop_overhead_ms") is not None),
-                   key=lambda p: _m(p, "in_loop_overhead_ms"), default=None)
+        best = min((p for p in peers if metric(p, "in_loop_overhead_ms") is not None),
+                   key=lambda p: metric(p, "in_loop_overhead_ms"), default=None)
         rows = [
-            _target("stall <= 1/20 of torch.save's", stall, _div(_m(by_key.get("torch_save"), "stall_ms"), 20)),
-            _target("stall <= 1/3 of DCP + DefaultStager's", stall,
-                    _div(_m(by_key.get("dcp_stager"), "stall_ms"), 3)),
-            _target("in-loop overhead <= 1.25x the raw floor's", loop, _mul(_m(raw, "in_loop_overhead_ms"), 1.25),
+            target_row("stall <= 1/20 of torch.save's", stall, _div(metric(by_key.get("torch_save"), "stall_ms"), 20)),
+            target_row("stall <= 1/3 of DCP + DefaultStager's", stall,
+                    _div(metric(by_key.get("dcp_stager"), "stall_ms"), 3)),
+            target_row("in-loop overhead <= 1.25x the raw floor's", loop, scaled(metric(raw, "in_loop_overhead_ms"), 1.25),
                     noise=_noise(e, raw)),
-            _target("in-loop overhead below every peer's", loop, _m(best, "in_loop_overhead_ms"), strict=True,
+            target_row("in-loop overhead below every peer's", loop, metric(best, "in_loop_overhead_ms"), strict=True,
                     noise=_noise(e, best)),
-            _target("time to durable <= 1.3x the raw write of the same bytes", durable,
-                    _mul(_m(e, "raw_write_s"), 1.3)),
-            _target("time to durable <= 1.3x the O_DIRECT floor's", durable,
-                    _mul(_m(by_key.get("raw_direct"), "time_to_durable_s"), 1.3)),
-            _target("peak extra RSS <= 1.2x the state", _m(e, "extra_rss_mb"), 1.2 * state_bytes / MiB),
-            _target("quiet step <= 1.03x the no-checkpoint loop's", _m(e, "quiet_step_x"), 1.03),
+            target_row("time to durable <= 1.3x the raw write of the same bytes", durable,
+                    scaled(metric(e, "raw_write_s"), 1.3)),
+            target_row("time to durable <= 1.3x the O_DIRECT floor's", durable,
+                    scaled(metric(by_key.get("raw_direct"), "time_to_durable_s"), 1.3)),
+            target_row("peak extra RSS <= 1.2x the state", metric(e, "extra_rss_mb"), 1.2 * state_bytes / MiB),
+            target_row("quiet step <= 1.03x the no-checkpoint loop's", metric(e, "quiet_step_x"), 1.03),
         ]
         out[e["key"]] = rows
     return out
@@ -149,11 +149,11 @@ def _div(value: float | None, by: float) -> float | None:
     return None if value is None else value / by
 
 
-def _mul(value: float | None, by: float) -> float | None:
+def scaled(value: float | None, by: float) -> float | None:
     return None if value is None else value * by
 
 
-def _target(name: str, value: float | None, limit: float | None, strict: bool = False,
+def target_row(name: str, value: float | None, limit: float | None, strict: bool = False,
             noise: float | None = None) -> dict[str, Any]:
     """``met`` is None when a yardstick is missing, or when value and limit differ by less than the run-to-run
     noise of the baseline (then the measurement cannot tell)."""
@@ -169,7 +169,7 @@ def _target(name: str, value: float | None, limit: float | None, strict: bool = 
 # --- the markdown table ----------------------------------------------------------------------------------------
 
 
-def _cell(entry: dict, name: str, fmt: str, scale: float = 1.0) -> str:
+def cell(entry: dict, name: str, fmt: str, scale: float = 1.0) -> str:
     value = entry.get(name)
     if not isinstance(value, dict):
         return "–"
@@ -192,11 +192,11 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
             "yes" if e["verified"] else "**FAIL**"
         if e["kind"] == "baseline" and not e["verified"]:
             verified = "**FAIL**"
-        row = [e["name"], verified, _cell(e, "stall_ms", ".1f"), _cell(e, "in_loop_overhead_ms", ".0f"),
-               _cell(e, "e2e_slowdown_pct", "+.1f"), _cell(e, "time_to_durable_s", ".2f"),
-               _cell(e, "raw_write_s", ".2f"), _cell(e, "extra_rss_mb", ".0f"), _cell(e, "extra_rss_x_state", ".2f"),
-               _cell(e, "restore_s", ".2f"), _cell(e, "step_ms", ".0f"), _cell(e, "quiet_step_ms", ".0f"),
-               _cell(e, "quiet_step_x", ".3f")]
+        row = [e["name"], verified, cell(e, "stall_ms", ".1f"), cell(e, "in_loop_overhead_ms", ".0f"),
+               cell(e, "e2e_slowdown_pct", "+.1f"), cell(e, "time_to_durable_s", ".2f"),
+               cell(e, "raw_write_s", ".2f"), cell(e, "extra_rss_mb", ".0f"), cell(e, "extra_rss_x_state", ".2f"),
+               cell(e, "restore_s", ".2f"), cell(e, "step_ms", ".0f"), cell(e, "quiet_step_ms", ".0f"),
+               cell(e, "quiet_step_x", ".3f")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=6, help="measured saves of each kind per rank")
     parser.add_argument("--params-m", type=float, default=25.0, help="model size in millions of parameters")
     args = parser.parse_args()
-    from dist_compare import free_port
+    from harness import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="lazyckpt-stall-parts-") as root:

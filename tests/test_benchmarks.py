@@ -179,6 +179,7 @@ def test_malloc_mmap_threshold_is_set_for_the_fork_server_only_when_asked(monkey
     monkeypatch.setattr(os, "environ", dict(os.environ))  # fork_server edits the environment: keep ours clean
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # a caller's own setting does not pass through unasked
     import compare
+    import harness
     from workload import Workload
 
     assert compare.parse_args(["--quick"]).malloc_mmap_threshold is None
@@ -187,7 +188,7 @@ def test_malloc_mmap_threshold_is_set_for_the_fork_server_only_when_asked(monkey
     args = compare.parse_args(["--quick", "--malloc-mmap-threshold", "1048576"])
     compare.fork_server(Workload(), args.malloc_mmap_threshold)
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "1048576"
-    assert compare.allocator_env()["MALLOC_MMAP_THRESHOLD_"] == "1048576"  # what the JSON's config records
+    assert harness.allocator_env()["MALLOC_MMAP_THRESHOLD_"] == "1048576"  # what the JSON's config records
 
 
 @pytest.mark.slow
