@@ -5,7 +5,8 @@ inf, agreed across ranks with the framework's collective) and how a state goes b
 module decides *what*:
 
 * the snapshot of the bad step itself is discarded, in memory and on disk (:meth:`LazyCheckpointer.discard`
-  fails it through the job's state machine and the lifecycle's discard, or removes it once committed);
+  fails it through the job's state machine and its discard (:class:`~lazyckpt.write.commit.JobEnds`), or
+  removes it once committed);
 * the target is the newest snapshot taken strictly before the bad step: a request still in flight is finished
   first, then the memory level is read (``keep_in_memory=True``; copied straight into the live tensors when the
   adapter passes them), else the newest committed checkpoint on disk,

@@ -19,7 +19,7 @@ import torch
 from lazyckpt.config import CheckpointConfig
 from lazyckpt.format.checksum import format_checksum, num_chunks
 from lazyckpt.format.files import PARTIAL_SUFFIX, step_dirname
-from lazyckpt.format.header import TensorEntry, build_header, dcp_sharding_metadata, dtype_name
+from lazyckpt.format.header import TensorEntry, build_header, dcp_sharding_metadata
 from lazyckpt.format.manifest import global_index, tensor_summary, tensor_table_doc
 from lazyckpt.ranks.replicas import window_tensors
 from lazyckpt.ranks.sharding import Box, local_tensor
