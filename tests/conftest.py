@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # --- storage backends ---------------------------------------------------------------------------------------
-# Every backend in STORAGE_BACKENDS must pass tests/test_storage_conformance.py, and the core round trips run on
+# Every backend in STORAGE_BACKENDS must pass tests/storage/test_storage_conformance.py, and the core round trips run on
 # each. A backend is a function of pytest's tmp_path returning (storage, root directory to work under); add a
 # new backend with one line here.
 STORAGE_BACKENDS = {
@@ -42,7 +42,7 @@ STORAGE_BACKENDS = {
 
 
 def _s3_storage() -> tuple[Storage, str]:
-    from _remote_helpers import fresh_bucket, shared_moto_endpoint
+    from helpers.remote import fresh_bucket, shared_moto_endpoint
     from lazyckpt.storage.fsspec import FsspecStorage
 
     url, options = fresh_bucket(shared_moto_endpoint())

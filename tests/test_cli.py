@@ -10,7 +10,7 @@ import torch
 import lazyckpt
 from lazyckpt import cli
 
-from _forge import FILE, RANK0, edit_manifest
+from helpers.forge import FILE, RANK0, edit_manifest
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ def _accelerate_loop() -> dict:
 
 
 def _lightning_module() -> dict:
-    from tests._lightning_helpers import make_module_class, namespace
+    from helpers.lightning_run import make_module_class, namespace
 
     module_class = make_module_class(namespace()[0])
     torch.manual_seed(0)

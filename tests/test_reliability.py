@@ -1,12 +1,12 @@
-"""The reliability suite at CI size (fixed seeds); ``tests/reliability.py`` runs the same engines for long."""
+"""The reliability suite at CI size (fixed seeds); ``tests/helpers/reliability.py`` runs the same engines for long."""
 
 from __future__ import annotations
 
 import pytest
 
 import lazyckpt
-from _soak import soak
-from reliability import corrupt_every_file, fuzz, kill_at_random, make_template
+from helpers.soak import soak
+from helpers.reliability import corrupt_every_file, fuzz, kill_at_random, make_template
 
 
 def test_fuzzed_headers_and_manifests_are_refused_cleanly_and_identically_by_load_and_verify(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _distributed import run_ranks
+from helpers.distributed import run_ranks
 from lazyckpt.errors import CommitAbandoned
 from lazyckpt.ranks.group import default_store
 

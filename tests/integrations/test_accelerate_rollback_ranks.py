@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from _distributed import run_ranks
+from helpers.distributed import run_ranks
 from conftest import assert_tree_equal
 
 EVERY = 3

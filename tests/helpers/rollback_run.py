@@ -1,6 +1,6 @@
 """A Lightning run whose loss turns nan at chosen batches, and its reference that never sees the lost batches.
 
-Used in-process and, for DDP, as a script (``python tests/_rollback_helpers.py --help``). Each rank has its own
+Used in-process and, for DDP, as a script (``python tests/helpers/rollback_run.py --help``). Each rank has its own
 fixed list of batches (no sampler, no shuffling), so a reference run is the same list without the lost batches.
 """
 
@@ -100,5 +100,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers.*
     main()

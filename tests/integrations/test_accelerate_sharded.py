@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-from _distributed import run_ranks
-from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from helpers.distributed import run_ranks
+from helpers.remote import moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from conftest import clone_tree
 
 pytestmark = pytest.mark.slow

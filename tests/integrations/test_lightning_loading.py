@@ -10,7 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from _lightning_helpers import namespace
+from helpers.lightning_run import namespace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -1,6 +1,6 @@
 """Hard crashes (``os._exit``) and resume with LazyCheckpointHook, in one process and under ``accelerate launch``.
 
-This file is also the training script the tests run: ``python tests/test_accelerate_crash.py --out ...``.
+This file is also the training script the tests run: ``python tests/integrations/test_accelerate_crash.py --out ...``.
 """
 
 from __future__ import annotations

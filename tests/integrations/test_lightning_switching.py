@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from _lightning_helpers import make_module_class, namespace, run
+from helpers.lightning_run import make_module_class, namespace, run
 
 import lazyckpt
 from lazyckpt.format.catalog import committed_steps

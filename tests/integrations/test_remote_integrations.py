@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from _remote_helpers import moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from helpers.remote import moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from conftest import assert_tree_equal
 from test_accelerate_hook import (STEPS_PER_EPOCH, build, final_state, fresh_accelerate_state,  # noqa: F401
                                   reset_accelerate, train)
@@ -63,7 +63,7 @@ def test_accelerate_with_a_url_dirpath_resumes_from_it(tmp_path, s3_remote):
 
 def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_path, s3_remote):
     import torch
-    from _lightning_helpers import run
+    from helpers.lightning_run import run
 
     url, options = s3_remote
     _, reference, _ = run(str(tmp_path / "reference"), max_epochs=3)
@@ -100,7 +100,7 @@ def test_lightning_model_parallel_resumes_last_from_the_remote_on_an_empty_node_
 
 
 def _helper(dirpath, *args) -> None:
-    helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lightning_helpers.py")
+    helper = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "lightning_run.py")
     cmd = [sys.executable, helper, "--dirpath", str(dirpath), *map(str, args)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -109,7 +109,7 @@ def _helper(dirpath, *args) -> None:
 def test_lightning_with_a_url_dirpath_uploads_every_checkpoint_and_resumes_from_it_on_an_empty_node(
         tmp_path, s3_remote, monkeypatch):
     import torch
-    from _lightning_helpers import run
+    from helpers.lightning_run import run
 
     from lazyckpt.levels.remote.contents import remote_steps
     from lazyckpt.storage.fsspec import FsspecStorage

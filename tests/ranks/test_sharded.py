@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import lazyckpt
-from _distributed import run_ranks
+from helpers.distributed import run_ranks
 
 STEPS, SAVE_AT = 4, 2
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from _lightning_helpers import make_module_class, namespace
+from helpers.lightning_run import make_module_class, namespace
 
 import lazyckpt
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lazyckpt
-from _distributed import run_ranks, two_ranks_meeting
+from helpers.distributed import run_ranks, two_ranks_meeting
 from lazyckpt.errors import CommitAbandoned
 from lazyckpt.tree.encode import flatten
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from _distributed import two_ranks_meeting
+from helpers.distributed import two_ranks_meeting
 from lazyckpt.errors import CommitAbandoned
 from lazyckpt.levels.remote.meeting import StoreMeeting, upload_attempt
 

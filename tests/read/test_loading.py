@@ -16,7 +16,7 @@ from lazyckpt.format.checksum import CHUNK_BYTES
 from lazyckpt.read.tensor_io import READ_BYTES
 from lazyckpt.storage import LocalStorage
 
-from _forge import FILE, split_tensor_file
+from helpers.forge import FILE, split_tensor_file
 
 
 @pytest.fixture

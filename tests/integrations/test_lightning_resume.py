@@ -17,7 +17,7 @@ import torch
 
 import lazyckpt
 
-HELPER = os.path.join(os.path.dirname(__file__), "_lightning_helpers.py")
+HELPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "lightning_run.py")
 pytestmark = pytest.mark.slow
 
 

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 import lazyckpt
-from _rollback_helpers import NanAtModel, final_state, fit, fp16_plugin
+from helpers.rollback_run import NanAtModel, final_state, fit, fp16_plugin
 from conftest import assert_tree_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,7 +123,7 @@ def test_rollback_needs_the_full_training_state():
 
 
 def _script(tmp_path, name: str, *args) -> None:
-    cmd = [sys.executable, os.path.join(HERE, "_rollback_helpers.py"), "--dirpath", str(tmp_path / name),
+    cmd = [sys.executable, os.path.join(HERE, "..", "helpers", "rollback_run.py"), "--dirpath", str(tmp_path / name),
            "--out", str(tmp_path / name), *map(str, args)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import lazyckpt
-from _remote_helpers import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
+from helpers.remote import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
 from conftest import snapshot, step
 from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.levels.remote.contents import remote_steps

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _forge import RANK0, edit_manifest
+from helpers.forge import RANK0, edit_manifest
 from conftest import assert_tree_equal
 
 omegaconf = pytest.importorskip("omegaconf")

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from _lightning_helpers import make_module_class, namespace, run
+from helpers.lightning_run import make_module_class, namespace, run
 from lazyckpt.integrations.lightning import export_checkpoint, load_from_checkpoint, load_weights
 
 import lazyckpt

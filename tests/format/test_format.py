@@ -12,7 +12,7 @@ import torch
 import lazyckpt
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 
-from _forge import FILE, RANK0, downgrade, edit_header, edit_manifest, read_json, reseal
+from helpers.forge import FILE, RANK0, downgrade, edit_header, edit_manifest, read_json, reseal
 from conftest import assert_tree_equal
 
 
@@ -200,7 +200,7 @@ def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_checkpoint_written_by_an_earlier_format_version_loads_and_verifies(tmp_path, version):
-    """tests/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no sharding)."""
+    """tests/format/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no sharding)."""
     import math
     import shutil
 

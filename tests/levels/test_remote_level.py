@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lazyckpt
-from _remote_helpers import any_remote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from helpers.remote import any_remote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from conftest import assert_tree_equal, clone_tree, snapshot, step
 from lazyckpt.levels.remote.contents import remote_steps
 from lazyckpt.storage.fsspec import FsspecStorage

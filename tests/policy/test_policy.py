@@ -15,7 +15,7 @@ import torch
 import lazyckpt
 from lazyckpt.policy import (CheckpointNames, CheckpointSession, RunLayout, SessionOptions, StepCounter, capture_rng,
                              check_fits, find_generators, restore_rng)
-from _distributed import run_ranks
+from helpers.distributed import run_ranks
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.policy.sharded import PerRankSource, per_rank_source
 from lazyckpt.storage import LocalStorage

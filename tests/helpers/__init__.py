@@ -1,0 +1,13 @@
+"""What the tests share besides the fixtures in ``tests/conftest.py``; the tests themselves mirror lazyckpt's
+packages (``tests/write/`` for ``lazyckpt/write/``, ...), and tests of root modules sit in ``tests/``.
+
+| module | owns |
+|---|---|
+| ``distributed`` | several gloo ranks in forked processes (``run_ranks``), two rendezvous in one process |
+| ``forge`` | hand-made and edited checkpoint files (headers, manifests, seals) for the strict reader's tests |
+| ``remote`` | a moto S3 server the tests start themselves, buckets on it, a flaky remote |
+| ``lightning_run`` | a small Lightning fine-tuning run, in process and as a script (crash, resume, DDP, FSDP2) |
+| ``rollback_run`` | a Lightning run that goes non-finite, in process and as a DDP script |
+| ``soak`` | save, load and verify in a loop, sampling what a long run must not accumulate |
+| ``reliability`` | the reliability suite's engines (fuzzing, byte flips, SIGKILLs, soak), also runnable for long |
+"""
