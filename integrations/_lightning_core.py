@@ -119,7 +119,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
                                                     world_size=trainer.world_size, engine_retention=False)
             self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
                                           lambda: getattr(self.trainer, "ckpt_path", None),
-                                          feedback=self._feedback, reporter=trainer_reporter(self))
+                                          feedback=self._feedback, reporter=trainer_reporter(self, self._namespace))
             trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
 
     @override

@@ -190,9 +190,9 @@ def rank_zero_info(namespace: str, message: str) -> None:
     importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info(message)
 
 
-def trainer_reporter(callback: Any) -> Reporter:
-    """Where a ``LazyCheckpoint`` reports: Lightning's console; its trainer's loggers get the metrics (with
-    ``log_stats``) and hear of each saved checkpoint (``after_save_checkpoint``)."""
+def trainer_reporter(callback: Any, namespace: str) -> Reporter:
+    """Where a ``LazyCheckpoint`` reports: the console of Lightning's ``namespace``; its trainer's loggers get the
+    metrics (with ``log_stats``) and hear of each saved checkpoint (``after_save_checkpoint``)."""
 
     def log_metrics(values: dict[str, float], step: int) -> None:
         for lg in callback.trainer.loggers:
@@ -202,5 +202,5 @@ def trainer_reporter(callback: Any) -> Reporter:
         for lg in callback.trainer.loggers:
             lg.after_save_checkpoint(weakref.proxy(callback))
 
-    return Reporter(info=functools.partial(rank_zero_info, callback._namespace), each=after_save,
+    return Reporter(info=functools.partial(rank_zero_info, namespace), each=after_save,
                     metrics=log_metrics if callback.log_stats else None)

@@ -27,7 +27,7 @@ class LazyCheckpointIO(LazyCheckpointIOMixin, CheckpointIO):
     _default_base = TorchCheckpointIO
 
 
-class _LazyBarrier(LazyBarrierMixin, Callback):
+class LazyBarrier(LazyBarrierMixin, Callback):
     __doc__ = LazyBarrierMixin.__doc__
 
 
@@ -35,7 +35,7 @@ class LazyCheckpoint(LazyCheckpointMixin, ModelCheckpoint):
     __doc__ = LazyCheckpointMixin.__doc__
     _namespace = "lightning.pytorch"
     _io_class = LazyCheckpointIO
-    _barrier_class = _LazyBarrier
+    _barrier_class = LazyBarrier
 
 
 __all__ = ["LazyCheckpoint", "LazyCheckpointIO", "export_checkpoint", "load_from_checkpoint", "load_weights",

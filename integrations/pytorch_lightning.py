@@ -33,9 +33,9 @@ def _derive(cls: type, base: type, **attributes: Any) -> type:
 
 
 LazyCheckpointIO = _derive(_lightning.LazyCheckpointIO, CheckpointIO, _default_base=TorchCheckpointIO)
-_LazyBarrier = _derive(_lightning._LazyBarrier, Callback)
+LazyBarrier = _derive(_lightning.LazyBarrier, Callback)
 LazyCheckpoint = _derive(_lightning.LazyCheckpoint, ModelCheckpoint, _namespace="pytorch_lightning",
-                         _io_class=LazyCheckpointIO, _barrier_class=_LazyBarrier)
+                         _io_class=LazyCheckpointIO, _barrier_class=LazyBarrier)
 
 __all__ = ["LazyCheckpoint", "LazyCheckpointIO", "export_checkpoint", "load_from_checkpoint", "load_weights",
            "to_lightning_checkpoint"]

@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -103,8 +103,8 @@ class LazyCheckpointer:
         self._steps = CommittedSteps(self.dirpath, self.storage, self.config, rendezvous=self._rendezvous,
                                      remote=self.remote)
         self._ends = JobEnds(storage=self.storage, config=self.config, rendezvous=self._rendezvous,
-                             writer=self._writer, inflight=self._inflight, committed=self._on_committed,
-                             discarded=self._drop_if_discarded)
+                             writer=self._writer, inflight=self._inflight, committed=_weakly(self._on_committed),
+                             discarded=_weakly(self._drop_if_discarded))
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -319,6 +319,18 @@ class LazyCheckpointer:
             self.close()
         except BaseException:  # noqa: BLE001 - never raise from a finalizer
             pass
+
+
+def _weakly(method: Callable[[CheckpointJob], None]) -> Callable[[CheckpointJob], None]:
+    """``method`` of a checkpointer, without keeping the checkpointer alive: one dropped without ``close()`` is freed
+    (and its directory lock released) at once, not at the next garbage collection of a reference cycle."""
+    ref = weakref.WeakMethod(method)
+
+    def call(job: CheckpointJob) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(job)
+    return call
 
 
 @atexit.register

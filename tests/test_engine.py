@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import errno
 import json
 
@@ -113,3 +114,19 @@ class _FreeBytes:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def test_a_checkpointer_dropped_without_close_frees_its_directory_at_once(tmp_path, trained):
+    """Nothing in a checkpointer refers back to it (the job ends call it weakly), so dropping it runs its finalizer
+    at once, not at some later garbage collection: the next checkpointer of that directory and rank is not refused."""
+    model, opt = trained
+    gc.disable()
+    try:
+        for saves in (0, 1):
+            ckpt = lazyckpt.LazyCheckpointer(tmp_path / f"run{saves}")
+            if saves:
+                ckpt.save({"model": model.state_dict()}, step=1, optimizers=[opt]).wait()
+            del ckpt
+            lazyckpt.LazyCheckpointer(tmp_path / f"run{saves}").close()  # DirectoryLockedError if still alive
+    finally:
+        gc.enable()

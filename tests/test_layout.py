@@ -8,9 +8,10 @@ the module and line that broke it:
 * a package holds at most 12 modules (``integrations/`` may keep its adapters), ``lazyckpt/`` at most 8 besides
   ``__init__``; a module at most 400 lines, a function at most 60; module names are unique;
 * every package ``__init__`` names each of its modules, and so does docs/design.md;
-* no private name is imported from another lazyckpt module; private torch APIs only in ``ranks/`` and
-  ``interop/dcp.py``; private framework attributes only in ``integrations/_compat.py``; every exception class
-  in ``errors.py``; no file-system call outside ``storage/``.
+* no private name of another lazyckpt module is imported or read; private torch modules only in ``ranks/`` and
+  ``interop/dcp.py``; private attributes of torch, fsspec and the frameworks only where
+  :data:`FOREIGN_PRIVATE_ALLOWED` says, framework ones in ``integrations/_compat.py``; every exception class in
+  ``errors.py``; no file-system call outside ``storage/``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,16 @@ FILESYSTEM_CALLS = re.compile(
     r"\bos\.path\.(isdir|isfile|exists|lexists|getmtime|getsize|realpath|islink|samefile)\(|"
     r"\bos\.(stat|lstat|makedirs|mkdir|listdir|scandir|remove|unlink|rename|replace|rmdir|open|fsync|symlink|"
     r"readlink|walk|statvfs|chmod|utime|link)\(|\bshutil\.|\btempfile\.|(?<![\w.])open\(|\bFileLock\(")
-FRAMEWORK_OBJECTS = re.compile(r"\b(trainer|accelerator|strategy|pl_module|lightning_module|model|optimizer|scheduler|dataloader)\._[a-z]")
+FOREIGN_PRIVATE_ALLOWED = {
+    ("lazyckpt.write.capture", "_version"), ("lazyckpt.write.copier", "_version"),
+    # a tensor's version counter: the safety net behind the barrier that the design brief prescribes; no public one
+    ("lazyckpt.tree.values", "_indices"), ("lazyckpt.tree.values", "_values"),
+    # an uncoalesced COO tensor's own parts (torch.sparse's documented accessors: indices() refuses uncoalesced)
+    ("lazyckpt.storage.fsspec", "_strip_protocol"), ("lazyckpt.storage.fsspec", "_parent"),
+    # fsspec's AbstractFileSystem classmethods, the path rules of the file system at hand (chained URLs too)
+}
+"""Private attributes of torch and fsspec read outside ``ranks/``, ``interop/dcp.py`` and ``integrations/_compat.py``,
+each with its reason."""
 
 
 @dataclass
@@ -248,8 +258,8 @@ def test_package_docstrings_name_their_modules():
     for package, members in _packages().items():
         init = MODULES[package]
         doc = ast.get_docstring(init.tree) or ""
-        missing += [f"{init.path.relative_to(ROOT)} does not name {m.path.stem}" for m in members
-                    if not re.search(rf"\b{re.escape(m.path.stem)}\b", doc)]
+        missing += [f"{init.path.relative_to(ROOT)} does not name ``{m.path.stem}``" for m in members
+                    if f"``{m.path.stem}``" not in doc]
         if not doc:
             missing.append(f"{init.path.relative_to(ROOT)} has no docstring")
     assert not missing, "\n".join(missing)
@@ -257,8 +267,7 @@ def test_package_docstrings_name_their_modules():
 
 def test_design_doc_names_every_module():
     doc = (ROOT / "docs" / "design.md").read_text()
-    missing = [m.name for m in MODULES.values() if not m.is_package and not m.path.stem.startswith("_")
-               and f"`{m.path.name}`" not in doc]
+    missing = [m.name for m in MODULES.values() if not m.is_package and f"`{m.path.name}`" not in doc]
     assert not missing, f"docs/design.md does not name: {missing}"
 
 
@@ -274,17 +283,61 @@ def test_no_private_names_imported_across_modules():
     assert not wrong, "\n".join(wrong)
 
 
-def test_private_torch_apis_stay_in_their_rooms():
+def test_private_torch_modules_stay_in_their_rooms():
     private = re.compile(r"\btorch(\.\w+)*\._\w+|\b_get_default_store\b")
     wrong = []
     for module in MODULES.values():
-        if module.name.startswith(PRIVATE_TORCH_ALLOWED) or module.name.startswith("lazyckpt.triton_kernels"):
+        if module.name.startswith(PRIVATE_TORCH_ALLOWED):
             continue
         for number, line in enumerate(module.text.splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if private.search(code) and "._version" not in code.replace("tensor._version", ""):
+            if private.search(line.split("#", 1)[0]):
                 wrong.append(f"{module.path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not wrong, "private torch APIs outside ranks/ and interop/dcp.py:\n" + "\n".join(wrong)
+
+
+def _own_private_attributes(module: Module) -> set[str]:
+    """The private attributes a module defines: ``self._x = ...``, and ``_x`` in a class body."""
+    own = set()
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_"):
+            own.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                own |= {x.id for x in targets if isinstance(x, ast.Name) and x.id.startswith("_")}
+                if isinstance(item, (ast.FunctionDef, ast.ClassDef)) and item.name.startswith("_"):
+                    own.add(item.name)
+    return own
+
+
+def _foreign_private_accesses(module: Module) -> list[tuple[int, str]]:
+    """``obj._x`` where ``obj`` is not ``self``, ``cls`` or ``super()`` and this module does not define ``_x``."""
+    own = _own_private_attributes(module)
+    found = []
+    for node in ast.walk(module.tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls") or node.attr in own:
+            continue
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+            continue  # an override of the base class's own method (ModelCheckpoint's are listed in _compat)
+        found.append((node.lineno, node.attr))
+    return found
+
+
+def test_private_attributes_of_other_code_stay_in_their_rooms():
+    """No module reads another lazyckpt module's private attributes; the private attributes of torch, fsspec and
+    the frameworks are read only where :data:`FOREIGN_PRIVATE_ALLOWED` says (framework ones in ``_compat.py``)."""
+    ours = set().union(*(_own_private_attributes(m) for m in MODULES.values()))
+    wrong = []
+    for module in MODULES.values():
+        for line, attr in _foreign_private_accesses(module):
+            if (module.name, attr) in FOREIGN_PRIVATE_ALLOWED or attr not in ours and module.name.endswith("._compat"):
+                continue
+            whose = "another lazyckpt module's" if attr in ours else "a foreign"
+            wrong.append(f"{module.path.relative_to(ROOT)}:{line} reads {whose} private attribute {attr}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_exceptions_live_in_errors():
@@ -296,6 +349,20 @@ def test_exceptions_live_in_errors():
             if isinstance(node, ast.ClassDef) and any(_looks_like_exception(b) for b in node.bases):
                 wrong.append(f"{module.path.relative_to(ROOT)}:{node.lineno} class {node.name}")
     assert not wrong, "exception classes outside lazyckpt/errors.py:\n" + "\n".join(wrong)
+
+
+def test_no_module_defines_an_exception_outside_errors_once_imported():
+    """The import-time view of the rule above: catches a subclass of one of lazyckpt's own exceptions too."""
+    import importlib
+
+    wrong = []
+    for name in MODULES:
+        if name == "lazyckpt.errors":
+            continue
+        for value in vars(importlib.import_module(name)).values():
+            if isinstance(value, type) and issubclass(value, BaseException) and value.__module__ == name:
+                wrong.append(f"{name}.{value.__name__}")
+    assert not wrong, f"exception classes outside lazyckpt/errors.py: {wrong}"
 
 
 def _looks_like_exception(base: ast.expr) -> bool:
@@ -323,17 +390,6 @@ def test_no_filesystem_calls_outside_storage():
             if FILESYSTEM_CALLS.search(code) and not code.lstrip().startswith((">>>", "...")):
                 wrong.append(f"{module.path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not wrong, "file-system calls outside lazyckpt/storage/:\n" + "\n".join(wrong)
-
-
-def test_private_framework_attributes_only_in_compat():
-    wrong = []
-    for module in MODULES.values():
-        if not module.name.startswith("lazyckpt.integrations") or module.name.endswith("_compat"):
-            continue
-        for number, line in enumerate(module.text.splitlines(), 1):
-            if FRAMEWORK_OBJECTS.search(line.split("#", 1)[0]):
-                wrong.append(f"{module.path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not wrong, "private framework attributes outside integrations/_compat.py:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("package", sorted({m.package for m in MODULES.values()} - {"lazyckpt"}))

@@ -1,8 +1,9 @@
 """Which checkpoints a directory holds, by the format's commit rule (docs/FORMAT.md): the one rule every level and
 reader applies, on local files and on object stores alike.
 
-A ``step-NNNNNNN`` entry is a committed checkpoint when it is a directory (never a link: a link could make one step
-look like another) holding a regular ``manifest.json``, the file written last. Any other ``step-*`` entry is
+A ``step-NNNNNNN`` entry is a committed checkpoint when it holds a regular ``manifest.json``, the file written last,
+and, on a file system, is itself a directory (never a link: a link could make one step look like another). An
+object store has no directories: there the manifest alone decides, one look-up per step. Any other ``step-*`` entry is
 uncommitted (a partial upload on an object store, which has no rename); names not ``step-*`` are not the format's.
 
 Example:
@@ -31,10 +32,12 @@ class Catalog:
 
 
 def is_committed(storage: Storage, step_path: str) -> bool:
-    """True when ``step_path`` is a directory (not a link) that holds a regular ``manifest.json``."""
-    here = storage.stat(step_path)
-    if here is None or here.kind is not FileKind.DIR:
-        return False
+    """True when ``step_path`` holds a regular ``manifest.json`` and, unless it is a URL, is a directory (not a
+    link)."""
+    if not is_url(step_path):
+        here = storage.stat(step_path)
+        if here is None or here.kind is not FileKind.DIR:
+            return False
     manifest = storage.stat(_join(step_path, MANIFEST))
     return manifest is not None and manifest.kind is FileKind.FILE
 

@@ -92,14 +92,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """A DTensor's shard on this rank (without padding) and its offsets in the global tensor.
-
-    Raises:
-        ValueError: this rank is not part of the tensor's mesh.
-    """
+    """A DTensor's shard on this rank (without padding) and its offsets in the global tensor. A rank outside the
+    tensor's mesh holds none of it: its empty local tensor and no offsets (a reader fills nothing there)."""
     where = _placement(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
     if where is None:
-        raise ValueError("the DTensor's mesh does not include this rank, which therefore holds none of its bytes")
+        return tensor.to_local(), ()
     local_shape, offsets, _, _ = where
     return local_shard(tensor, local_shape), offsets
 

@@ -142,8 +142,11 @@ def wait_for_lock(storage: Storage, path: str, *, timeout_s: float | None = None
 
 def kind_of(storage: Storage, path: str) -> FileKind | None:
     """What ``path`` names once links are followed (as ``os.path.isdir``/``isfile`` see it); None when nothing is
-    there, or a link leads nowhere."""
-    info = storage.stat(path)
-    if info is not None and info.kind is FileKind.LINK:
-        info = storage.stat(storage.resolve(path))
-    return None if info is None else info.kind
+    there, a link leads nowhere or in a loop, or the path cannot be looked at (``os.path.exists`` says False then)."""
+    try:
+        info = storage.stat(path)
+        if info is not None and info.kind is FileKind.LINK:
+            info = storage.stat(storage.resolve(path))
+    except OSError:
+        return None
+    return None if info is None or info.kind is FileKind.LINK else info.kind

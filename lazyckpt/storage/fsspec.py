@@ -60,13 +60,12 @@ class FsspecStorage:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         fsspec = import_fsspec()
-        self._fsspec = fsspec
         self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.protocol = url.split("://", 1)[0]
         self._is_s3 = self.protocol in ("s3", "s3a")
 
     def _path(self, url: str) -> str:
-        return self._fsspec.core.strip_protocol(url)
+        return self.fs._strip_protocol(url)
 
     # --- tensor files ---------------------------------------------------------------------------------------
 

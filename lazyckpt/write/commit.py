@@ -202,9 +202,10 @@ class JobEnds:
             job.fail(e)
         job.handle = None
         job.sources = []
-        if job.failed:
+        claimed = None if job.failed else job.durable()
+        if claimed is None:  # failed: before the close, or racing it from the barrier or a discard()
             self._discard(job)
-        elif job.durable():
+        elif claimed:
             self._commit_off_writer(job)
 
     def _commit_off_writer(self, job: CheckpointJob) -> None:

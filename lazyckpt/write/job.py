@@ -168,10 +168,14 @@ class CheckpointJob:
             self.tree_complete = True
             return self._claim_commit()
 
-    def durable(self) -> bool:
-        """Note that the file is closed and durable; True when this claims the commit for the caller (writer)."""
+    def durable(self) -> bool | None:
+        """Note that the file is closed and durable; True when this claims the commit for the caller (writer).
+        None when the job failed first: its failure came while the file was still open, so :meth:`fail` left the
+        discard to the writer, which is the caller."""
         with self._changed:
-            return self.advance(JobState.DURABLE) and self._claim_commit()
+            if not self.advance(JobState.DURABLE):
+                return None
+            return self._claim_commit()
 
     def _claim_commit(self) -> bool:
         if self.state is JobState.DURABLE and self.tree_complete:

@@ -197,3 +197,24 @@ def _placements_and_per_rank_change_between_saves(rank, world_size, dirpath):
 
 def test_placements_and_per_rank_membership_that_change_between_saves_are_planned_anew(tmp_path):
     run_ranks(_placements_and_per_rank_change_between_saves, 2, str(tmp_path / "ckpt"))
+
+
+def _fill_a_target_on_a_mesh_without_this_rank(rank, world_size, dirpath):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
+        ckpt.save({"w": full}, step=1).wait()
+    sub_mesh = DeviceMesh("cpu", [0])  # rank 1 holds no part of this target
+    target = distribute_tensor(torch.zeros(6, 4), sub_mesh, [Shard(0)])
+    loaded = lazyckpt.load_into(lazyckpt.latest(dirpath), {"w": target})  # no error on the rank outside the mesh
+    assert loaded["w"] is target
+    if rank == 0:
+        assert torch.equal(target.to_local(), full)
+    else:
+        assert target.to_local().numel() == 0
+
+
+def test_load_into_a_dtensor_on_a_mesh_without_this_rank_fills_nothing_there(tmp_path):
+    run_ranks(_fill_a_target_on_a_mesh_without_this_rank, 2, str(tmp_path / "ckpt"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lazyckpt
-from lazyckpt.storage import LocalStorage, Storage, _direct
+from lazyckpt.storage import FileKind, LocalStorage, Storage, _direct, kind_of
 
 
 def test_local_storage_satisfies_the_protocol():
@@ -66,3 +66,17 @@ def test_a_failed_direct_write_surfaces_in_the_writer_and_leaves_no_thread(tmp_p
     with pytest.raises(OSError, match="No space left"):  # closing never hides the lost bytes
         handle.close(sync=False)
     assert not _direct_io_threads()
+
+
+def test_kind_of_follows_links_and_says_none_for_a_broken_or_looping_one(tmp_path):
+    storage = LocalStorage()
+    (tmp_path / "step").mkdir()
+    (tmp_path / "file").write_bytes(b"x")
+    os.symlink(tmp_path / "step", tmp_path / "last.ckpt")
+    os.symlink(tmp_path / "gone", tmp_path / "broken")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    assert kind_of(storage, str(tmp_path / "last.ckpt")) is FileKind.DIR
+    assert kind_of(storage, str(tmp_path / "file")) is FileKind.FILE
+    assert kind_of(storage, str(tmp_path / "broken")) is None
+    assert kind_of(storage, str(tmp_path / "loop")) is None
+    assert kind_of(storage, str(tmp_path / "loop" / "inside")) is None  # ELOOP on the way: not there, as os.path says

@@ -14,14 +14,18 @@ import torch
 
 import lazyckpt
 from conftest import GatedBackend
+from lazyckpt.config import CheckpointConfig
 from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import IllegalTransitionError
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.storage import LocalStorage
 from lazyckpt.tree.encode import Deferred
+from lazyckpt.write.commit import JobEnds
+from lazyckpt.write.inflight import InFlight
 from lazyckpt.write.job import CheckpointJob, JobState
 from lazyckpt.write.staging.cpu import CpuCopyBackend
 from lazyckpt.write.stats import CheckpointStats
+from lazyckpt.write.writer import SharedWriter
 
 BOUND = 30.0  # seconds a wait may take before the test calls it a hang
 
@@ -87,6 +91,28 @@ def test_only_one_of_the_barrier_and_the_writer_claims_the_commit():
     for t in threads:
         t.join()
     assert sorted(claims) == [False, True] and job.state is JobState.COMMITTING
+
+
+def test_a_failure_that_lands_between_the_close_and_durable_is_discarded_by_the_writer(tmp_path):
+    """The window in finalize between its failure check and ``durable()``: a Deferred raising at the barrier (or
+    a ``discard()``) fails the job while the file is still open, so ``fail`` leaves the discard to the writer."""
+    job = _job()
+    job.partial_dir = str(tmp_path / "step-0000001.partial")
+    os.makedirs(job.partial_dir)
+    job.advance(JobState.STAGED)
+    discarded = []
+    ends = JobEnds(storage=LocalStorage(), config=CheckpointConfig(), rendezvous=None, writer=SharedWriter.get(),
+                   inflight=InFlight(), committed=lambda j: pytest.fail("a failed job must not commit"),
+                   discarded=discarded.append)
+    durable = job.durable
+
+    def failed_first():
+        assert job.fail(RuntimeError("a Deferred leaf raised")) is False, "the file is still open"
+        return durable()
+
+    job.durable = failed_first
+    ends.finalize(job)
+    assert job.state is JobState.DISCARDED and discarded == [job] and not os.path.exists(job.partial_dir)
 
 
 def test_a_committed_job_ignores_a_late_failure():

@@ -1,0 +1,52 @@
+"""Which checkpoints a directory holds: the format's one commit rule, on files and on an object store."""
+
+from __future__ import annotations
+
+import os
+
+from lazyckpt.format.catalog import catalog, committed_steps
+from lazyckpt.storage import LocalStorage
+from lazyckpt.storage.fsspec import FsspecStorage
+
+
+def _step(storage, path, *, manifest=True):
+    storage.make_dir(path)
+    storage.write_atomic(f"{path}/rank-00000.json", b"{}", sync=False)
+    if manifest:
+        storage.write_atomic(f"{path}/manifest.json", b"{}", sync=False)
+
+
+def test_a_step_directory_with_a_manifest_is_committed_and_nothing_else_is(tmp_path):
+    storage, root = LocalStorage(), str(tmp_path)
+    _step(storage, os.path.join(root, "step-0000010"))
+    _step(storage, os.path.join(root, "step-0000020"), manifest=False)  # a crash before the commit
+    _step(storage, os.path.join(root, "step-0000030.partial"))
+    os.symlink(os.path.join(root, "step-0000010"), os.path.join(root, "step-0000040"))  # a link is no checkpoint
+    os.mkdir(os.path.join(root, "last.ckpt"))
+    found = catalog(storage, root)
+    assert found.committed == {10: os.path.join(root, "step-0000010")}
+    assert sorted(os.path.basename(p) for p in found.uncommitted) == ["step-0000020", "step-0000030.partial",
+                                                                      "step-0000040"]
+    assert committed_steps(str(tmp_path / "absent")) == {}
+
+
+class _CountingStorage(FsspecStorage):
+    def __init__(self, url):
+        super().__init__(url)
+        self.stats = 0
+
+    def stat(self, path):
+        self.stats += 1
+        return super().stat(path)
+
+
+def test_on_an_object_store_the_manifest_alone_decides_with_one_look_up_per_step(tmp_path):
+    url = f"memory://{tmp_path}/run"
+    storage = _CountingStorage(url)
+    for step in (1, 2, 3):
+        _step(storage, f"{url}/step-{step:07d}")
+    _step(storage, f"{url}/step-0000004", manifest=False)  # a partial upload: no commit object
+    storage.stats = 0
+    found = catalog(storage, url)
+    assert sorted(found.committed) == [1, 2, 3] and found.uncommitted == [f"{url}/step-0000004"]
+    assert storage.stats == 4, "one look-up of each step's commit object, no stat of the prefixes themselves"
