@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     state = final_state(model, trainer) if args.out else None
     if args.out and trainer.is_global_zero:
         torch.save(state, args.out)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning leaves the group up; torn down at interpreter exit, gloo's threads now and then abort the
+        # process ("terminate called without an active exception") after the run succeeded.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
