@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
-from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.errors import CommitAbandoned, StepAlreadyCommittedError
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import CommittedSteps, DirectoryLock, meet_ranks
 from lazyckpt.levels.memory import MemoryLevel
@@ -33,6 +33,7 @@ from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.levels.remote.upload import RemoteLevel, open_remote_level
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.ranks.group import default_store, rank_and_size
+from lazyckpt.ranks.rendezvous import Attempts
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.write.capture import capture_job
 from lazyckpt.write.commit import JobEnds
@@ -79,10 +80,10 @@ class LazyCheckpointer:
         if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
             self.dirpath, self.config = split_levels(self.dirpath, self.config)
         self.storage: Storage = storage if storage is not None else LocalStorage()
-        self.remote: RemoteLevel | None = open_remote_level(self.config, self.storage)  # fails here, not at a save
         self.storage.make_dir(self.dirpath)
-        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)
+        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)  # first: a refused job touches nothing
         try:
+            self.remote: RemoteLevel | None = open_remote_level(self.config, self.storage)  # fails here, not at a save
             self._rendezvous = meet_ranks(self.dirpath, self.storage, self.config,
                                           default_store() if store is GROUP_STORE else store)
             if self.remote is not None:
@@ -90,7 +91,7 @@ class LazyCheckpointer:
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
             raise
-        self._attempts = 0
+        self._attempts = Attempts()
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._inflight = InFlight()
@@ -127,25 +128,41 @@ class LazyCheckpointer:
             StepAlreadyCommittedError: ``step`` is committed already or in flight.
             StepOrderError: ``step`` is lower than the newest committed step and ``on_older_step="error"``.
             UnsupportedValueError: a value in ``state`` has no safe encoding (the message names its path).
-            OSError: not enough free space (``ENOSPC``), or a background failure of an earlier checkpoint.
+            OSError: not enough free space (``ENOSPC``).
+            BaseException: a background failure of an earlier checkpoint (the original exception object), raised
+                only once this request is taken (its handle is then :attr:`in_flight`): every rank takes the same
+                requests, so a rank that hears of a failure first never falls out of step with the others. A
+                request that fails itself is given up on every rank at once.
         """
         started = time.monotonic()
         self._check_open("save")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
-        deliver_error(self._inflight.undelivered())
-        self._deliver_remote_error()
+        attempt = self._attempts.next(step)
+        try:
+            pending, job = self._request(state, step, attempt, optimizers, immutable, started)
+        except BaseException as e:  # every rank gives this attempt up at once, not at commit_timeout_s
+            if self._rendezvous is not None and not isinstance(e, CommitAbandoned):
+                self._rendezvous.abandon(attempt, f"save(step={step}) raised {e!r}")
+            raise
+        self._raise_earlier_failure(step, job)
+        return pending
+
+    def _request(self, state: Any, step: int, attempt: str, optimizers: Iterable[torch.optim.Optimizer],
+                 immutable: Iterable[torch.Tensor | torch.nn.Module],
+                 started: float) -> tuple[PendingCheckpoint, CheckpointJob | None]:
+        """Take the request of ``step`` (``save()`` but for the hand-off of earlier failures); its job (None when
+        skipped)."""
         final_dir = os.path.join(self.dirpath, step_dirname(step))
         if self.storage.stat(final_dir) is not None or ((same := self._inflight.find(step)) and not same.failed):
             raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
                                             "lazyckpt never overwrites a checkpoint (use a new step number)")
         if not self._make_room(step):
             warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
-                          "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=2)
-            return PendingCheckpoint(self._ends.barrier, None, step)
+                          "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=4)
+            return PendingCheckpoint(self._ends.barrier, None, step), None
         self._steps.check_order(step)
-        self._attempts += 1
-        attempt, rendezvous = self._attempts, self._rendezvous
+        rendezvous = self._rendezvous
         agree = None if rendezvous is None else (lambda signature: rendezvous.agree(attempt, signature))
         job = capture_job(state, step=step, dirpath=self.dirpath, config=self.config, storage=self.storage,
                           optimizers=optimizers, immutable=immutable, backend_for=self._backend_for, agree=agree)
@@ -159,7 +176,18 @@ class LazyCheckpointer:
         self._inflight.add(job, pending)
         self._copier.submit(job)
         job.stats.save_s = time.monotonic() - started
-        return pending
+        return pending, job
+
+    def _raise_earlier_failure(self, step: int, job: CheckpointJob | None) -> None:
+        """Once the request of ``step`` is taken: raise the oldest background failure not delivered yet. Raising it
+        before would leave this rank without the checkpoint every other rank took."""
+        error = self._inflight.take_error(excluding=job)
+        if error is None and self.remote is not None:
+            error = self.remote.take_error()
+        if error is not None:
+            error.add_note(f"lazyckpt: raised by save(step={step}), which still took its own request "
+                           "(LazyCheckpointer.in_flight)")
+            raise error
 
     def wait_staged(self) -> None:
         """The barrier: returns once the in-flight snapshot no longer needs the live tensors.
@@ -275,7 +303,7 @@ class LazyCheckpointer:
         if newest is not None:
             self._ends.barrier(newest)  # its copy is done and its tree complete, so it commits before the next one
         for job in older:
-            self._ends.drain(job)
+            self._ends.drain(job, deliver=False)  # its failure is delivered once the new request is taken
         return True
 
     def _deliver_remote_error(self) -> None:

@@ -29,13 +29,32 @@ from lazyckpt.storage import Storage
 logger = logging.getLogger(__name__)
 
 Attempt = int | str
-"""The key of one attempt: the save counter (the same on every rank), or a string naming another meeting of it
-(an upload of that save: ``"remote/7/0"``)."""
+"""The key of one attempt: ``"<step>.<try>"`` for a save (:class:`Attempts`: the same on every rank), or a string
+naming another meeting of it (an upload of that save: ``"remote/7.0/0"``)."""
 Timeout = tuple[float, str]
 """``(seconds, the option that sets them)``, for a wait that is not bounded by ``commit_timeout_s``."""
 
 _INSTANCES: dict[tuple[int, int], int] = {}
 """Checkpointers built per (store, rank) in this process: all ranks build them in the same order."""
+
+
+class Attempts:
+    """The key of each ``save()``'s attempt, from what every rank agrees on: its step and how many times this
+    checkpointer was asked for that step before (``"40.0"``, then ``"40.1"`` for a retry). A local counter of saves
+    would drift when one rank's ``save()`` raises and another's does not, and pair one rank's step with another's.
+    The last :data:`KEPT_STEPS` steps are remembered (a loop retries a step right away, if at all)."""
+
+    KEPT_STEPS = 64
+
+    def __init__(self) -> None:
+        self._tries: dict[int, int] = {}
+
+    def next(self, step: int) -> str:
+        tries = self._tries.pop(step, 0)
+        self._tries[step] = tries + 1  # the newest last: the oldest is dropped first
+        if len(self._tries) > self.KEPT_STEPS:
+            del self._tries[next(iter(self._tries))]
+        return f"{step}.{tries}"
 
 
 class Rendezvous:
@@ -89,7 +108,7 @@ class Rendezvous:
         if signature == self._agreed:
             return
         keys = self._plan_keys(attempt)
-        self._wait(keys, "every rank to call save() for the same step")
+        self._wait(keys, "every rank to call save() for the same step", attempt=attempt)
         error = self._mismatch(signature, self.store.multi_get(keys))
         if error is not None:
             self.abandon(attempt, str(error))
@@ -147,8 +166,11 @@ class Rendezvous:
         self._finished(attempt)
 
     def abandon(self, attempt: Attempt, reason: str) -> None:
-        """Tell every rank that this attempt failed here, so none waits for it or commits it."""
-        self.store.set(f"{self.prefix}/{attempt}/failed", f"rank {self.rank}: {reason}".encode())
+        """Tell every rank that this attempt failed here, so none waits for it or commits it (the first rank's
+        reason is kept: a rank that gives up because another failed adds nothing)."""
+        failed = f"{self.prefix}/{attempt}/failed"
+        if not self.store.check([failed]):
+            self.store.set(failed, f"rank {self.rank}: {reason}".encode())
         self._finished(attempt)
 
     # --- forgetting an attempt once every rank is past it ----------------------------------------------------

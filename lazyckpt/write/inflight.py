@@ -74,6 +74,16 @@ class InFlight(Generic[Handle]):
         with self._lock:
             return next((j for j, _ in self._jobs if j.error is not None and not j.error_delivered), None)
 
+    def take_error(self, *, excluding: CheckpointJob | None = None) -> BaseException | None:
+        """The oldest failure not delivered yet, of a job other than ``excluding``, now counted as delivered."""
+        with self._lock:
+            job = next((j for j, _ in self._jobs if j is not excluding and j.error is not None
+                        and not j.error_delivered), None)
+            if job is None:
+                return None
+            job.error_delivered = True
+            return job.error
+
     def earlier(self, job: CheckpointJob) -> list[CheckpointJob]:
         """The unfinished jobs requested before ``job``."""
         with self._lock:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import lazyckpt
 from helpers.remote import FlakyRemote, free_port, moto_endpoint, s3_options, s3_remote  # noqa: F401 - fixtures
@@ -37,12 +38,11 @@ def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_the_missed_ste
     assert ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait() == str(tmp_path / "step-0000002")
     ckpt.remote.drain()
     assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000001"
-    with pytest.raises(ConnectionError, match="injected") as failure:
-        ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
-    assert f"while uploading step 2 to {url}/step-0000002" in "\n".join(failure.value.__notes__)
     flaky.fail = False
-    pending = ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
-    assert pending.wait_remote() == f"{url}/step-0000003"
+    with pytest.raises(ConnectionError, match="injected") as failure:
+        ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])  # step 2's failure, once step 3 is taken
+    assert f"while uploading step 2 to {url}/step-0000002" in "\n".join(failure.value.__notes__)
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000003"
     ckpt.close()
     assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [1, 2, 3]
     committed, partial = remote_steps(FsspecStorage(url, options), url)
@@ -60,20 +60,19 @@ def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_pa
     with pytest.raises(ConnectionError) as failure:
         ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
     assert "step 1" in "\n".join(failure.value.__notes__) and "retried once" in "\n".join(failure.value.__notes__)
-    ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait()  # commit 2: step 1 retried, fails again
+    assert "still took its own request" in "\n".join(failure.value.__notes__)
+    ckpt.in_flight.wait()  # commit 2: step 1 retried, fails again
     ckpt.remote.drain()
     with pytest.raises(ConnectionError) as failure:
         ckpt.save(snapshot(model, opt), step=3, optimizers=[opt])
     assert "while uploading step 1" in "\n".join(failure.value.__notes__)
     assert "not retried again" in "\n".join(failure.value.__notes__)
     flaky.fail = False
-    assert ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait_remote() == f"{url}/step-0000003"
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000003"
     ckpt.close()
     assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [1, 2, 3], "nothing deleted locally"
     committed, partial = remote_steps(FsspecStorage(url, options), url)
-    assert sorted(committed) == [2, 3] and partial == [f"{url}/step-0000001"]
-    lazyckpt.LazyCheckpointer(tmp_path / "next", remote=url, storage_options=options).close()
-    assert remote_steps(FsspecStorage(url, options), url)[1] == [], "the next run removes the partial upload"
+    assert sorted(committed) == [2, 3] and partial == [], "step 1's partial upload went once step 2 committed"
 
 
 def test_wait_remote_and_close_raise_a_failed_upload_with_step_and_url(tmp_path, trained, s3_remote):
@@ -131,8 +130,12 @@ def test_an_upload_killed_midway_never_becomes_latest_and_the_next_run_cleans_it
     committed, partial = remote_steps(FsspecStorage(url, options), url)
     assert committed == {} and partial == [f"{url}/step-0000009"]
     assert lazyckpt.latest(url, storage_options=options) is None
-    lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options).close()
-    assert remote_steps(FsspecStorage(url, options), url) == ({}, [])
+    with lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options) as ckpt:
+        assert remote_steps(FsspecStorage(url, options), url)[1] == [f"{url}/step-0000009"], \
+            "nothing newer is committed: it may be a live job's upload, so the next run keeps it for now"
+        ckpt.save({"w": torch.ones(4)}, step=10).wait_remote()
+    assert remote_steps(FsspecStorage(url, options), url) == ({10: f"{url}/step-0000010"}, []), \
+        "the next run removes it once it committed a newer step"
 
 
 class ReplyLostAfterCommit(FsspecStorage):
@@ -159,7 +162,7 @@ def test_a_retry_finds_its_step_committed_already_and_uploads_nothing_again(tmp_
     ckpt.remote.drain()
     with pytest.raises(ConnectionError, match="reply .* lost"):
         ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
-    assert ckpt.save(snapshot(model, opt), step=2, optimizers=[opt]).wait_remote() == f"{url}/step-0000002"
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000002"
     ckpt.close()
     step_1 = [p for p in remote.uploaded if "/step-0000001/" in p]
     assert len(step_1) == len(set(step_1)) == 3, "the retry of step 1 uploaded none of its objects again"

@@ -48,17 +48,17 @@ def _one_rank_fails_its_upload(rank, world_size, url, options, dirpath):
     assert ckpt.save(_state(rank, 2), step=2).wait().endswith("step-0000002"), "the local level commits"
     ckpt.remote.drain()
     assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000001", "on every rank"
-    with pytest.raises(ConnectionError if rank == 1 else CommitAbandoned) as failure:
-        ckpt.save(_state(rank, 3), step=3)
-    assert f"while uploading step 2 to {url}/step-0000002 (rank {rank})" in "\n".join(failure.value.__notes__)
     remote.fail = False
-    assert ckpt.save(_state(rank, 3), step=3).wait_remote() == f"{url}/step-0000003", "step 2 retried first"
+    with pytest.raises(ConnectionError if rank == 1 else CommitAbandoned) as failure:
+        ckpt.save(_state(rank, 3), step=3)  # raises step 2's upload failure, once it took step 3's request
+    assert f"while uploading step 2 to {url}/step-0000002 (rank {rank})" in "\n".join(failure.value.__notes__)
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000003", "step 2 retried first"
     assert not [p for p in remote.looked_up if "/rank-" in p], "no rank polls the remote for another's upload"
     dist.barrier()  # both ranks are past every attempt: its keys are gone from the store
     prefix = ckpt._rendezvous.prefix
-    attempts = ["1", "2", "3", "remote/1/0", "remote/2/0", "remote/2/1", "remote/3/0"]
+    attempts = ["1.0", "2.0", "3.0", "remote/1.0/0", "remote/2.0/0", "remote/2.0/1", "remote/3.0/0"]
     keys = [f"{prefix}/{a}/{kind}/{r}" for a in attempts for kind in ("durable", "committed", "done") for r in (0, 1)]
-    assert not [k for k in keys + [f"{prefix}/remote/2/0/failed"] if default_store().check([k])]
+    assert not [k for k in keys + [f"{prefix}/remote/2.0/0/failed"] if default_store().check([k])]
     ckpt.close()
 
 

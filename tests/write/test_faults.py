@@ -41,8 +41,11 @@ def test_background_failure_is_raised_by_the_next_save_when_nobody_waited(tmp_pa
     with lazyckpt.LazyCheckpointer(tmp_path, storage=storage) as ckpt:
         ckpt.save(snapshot(model, opt), step=1, optimizers=[opt])
         ckpt.in_flight._job.wait_done()  # the failure happened in the background; nobody called wait()
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(OSError, match="injected") as failure:
             ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
+        assert "save(step=2), which still took its own request" in "\n".join(failure.value.__notes__)
+        with pytest.raises(OSError, match="injected"):
+            ckpt.close()  # step 2 was taken, and fails on the same disk
 
 
 def test_not_enough_free_space_fails_early_with_a_clear_message(tmp_path, trained):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from lazyckpt.format.catalog import catalog, committed_steps
-from lazyckpt.format.files import MANIFEST
+from lazyckpt.format.files import MANIFEST, STEP_DIR
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
 
@@ -28,14 +28,27 @@ def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]
     return found.committed, found.uncommitted
 
 
-def remove_partial_uploads(storage: Storage, url: str) -> list[str]:
-    """Delete uploads that a crash or a failure left without their commit object; returns their URLs."""
-    _, partial = remote_steps(storage, url)
-    for entry in partial:
+def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = None) -> list[str]:
+    """Delete uploads without their commit object at steps below ``below`` (default: the newest committed step);
+    returns their URLs.
+
+    A newer one may be the upload another live job is writing right now (a job uploads its steps in order, so once
+    a newer step is committed an older partial one is nobody's); it is removed after a newer commit. A ``step-*``
+    entry that is no step directory at all is nobody's upload either and goes too.
+    """
+    committed, partial = remote_steps(storage, url)
+    limit = below if below is not None else max(committed, default=None)
+    doomed = [entry for entry in partial if (step := _step_of(entry)) is None or limit is not None and step < limit]
+    for entry in doomed:
         storage.remove_tree(entry)
-    if partial:
-        logger.info("lazyckpt: removed %d partial upload(s) left by an earlier run under %s", len(partial), url)
-    return partial
+    if doomed:
+        logger.info("lazyckpt: removed %d partial upload(s) left by an earlier run under %s", len(doomed), url)
+    return doomed
+
+
+def _step_of(entry: str) -> int | None:
+    match = STEP_DIR.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
 
 
 def remove_remote_step(storage: Storage, step_url: str) -> None:

@@ -13,6 +13,7 @@ competes with the training thread for a core it needs.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -185,14 +186,21 @@ class RemoteLevel:
 
     def deliver_error(self) -> None:
         """Raise the first upload failure not reported yet (the original exception, with a note)."""
+        error = self.take_error()
+        if error is not None:
+            raise error
+
+    def take_error(self) -> BaseException | None:
+        """The first upload failure not reported yet, now reported (the later ones are logged)."""
         with self._lock:
             pending = [u for u in self._failed if not u.error_delivered]
             self._failed = []
-        if pending:
-            for later in pending[1:]:
-                logger.error("lazyckpt: upload of step %d also failed: %r", later.step, later.error)
-            pending[0].error_delivered = True
-            raise pending[0].error
+        if not pending:
+            return None
+        for later in pending[1:]:
+            logger.error("lazyckpt: upload of step %d also failed: %r", later.step, later.error)
+        pending[0].error_delivered = True
+        return pending[0].error
 
     def drain(self) -> None:
         """Wait until every queued upload is finished (committed or failed)."""
@@ -246,11 +254,23 @@ class RemoteLevel:
         try:
             nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name))
                          for name in self._own_files(local_dir))
-            return nbytes + self.meeting.commit(attempt, upload.url, lambda: self._copy(
-                os.path.join(local_dir, MANIFEST), join(upload.url, MANIFEST)))
+            return nbytes + self.meeting.commit(attempt, upload.url, lambda: self._write_commit(upload.url, local_dir))
         except BaseException as e:
             self.meeting.give_up(attempt, e)
             raise
+
+    def _write_commit(self, step_url: str, local_dir: str) -> int:
+        """Rank 0, once every rank's upload is announced: the commit object, after checking that every object it
+        names is there (each rank's manifest and tensor file): a step whose files another job's clean-up or an
+        outage took is never committed. Returns its bytes."""
+        there = set(self.storage.list_dir(step_url))
+        ranks = range(self.world_size)
+        named = [name for r in ranks for name in (rank_manifest(r), rank_file(r, self.world_size))]
+        missing = [name for name in named if name not in there]
+        if missing:
+            raise FileNotFoundError(errno.ENOENT, f"lazyckpt: {step_url} lacks {missing[:4]} ({len(missing)} in all) "
+                                    "although every rank announced its upload; the commit object is not written")
+        return self._copy(os.path.join(local_dir, MANIFEST), join(step_url, MANIFEST))
 
     def _committed_already(self, step_url: str, local_dir: str) -> bool:
         """True when the remote holds this very checkpoint's commit object (not one of another run's step)."""
@@ -292,5 +312,6 @@ class RemoteLevel:
             committed, _ = remote_steps(self.storage, self.url)
             for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
                 remove_remote_step(self.storage, committed[step])
+            remove_partial_uploads(self.storage, self.url, below=just_committed)  # nobody's once a newer one commits
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)
