@@ -134,3 +134,32 @@ def test_round_trip_through_the_triton_backend(tmp_path, trained):
         path = pending.wait()
     assert_tree_equal(lazyckpt.load(path), expected)
     lazyckpt.verify(path)
+
+
+def _nested(depth: int):
+    value = 1
+    for level in range(depth):
+        value = (value,) if level % 3 == 0 else [value] if level % 3 == 1 else {"k": value}
+    return value
+
+
+def _called_deep(frames: int, fn):
+    return fn() if frames == 0 else _called_deep(frames - 1, fn)
+
+
+def test_containers_nested_to_the_limit_save_and_load_even_deep_in_a_program_stack(tmp_path):
+    from lazyckpt.tree.encode import MAX_DEPTH
+
+    state = {"deep": _nested(MAX_DEPTH - 1)}  # with the top-level dict: MAX_DEPTH levels
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save(state, step=1).wait()
+    assert _called_deep(150, lambda: lazyckpt.load(path)) == state  # load() called 150 frames down still decodes
+
+
+def test_a_state_nested_deeper_than_the_limit_is_refused_at_save_naming_its_path(tmp_path):
+    from lazyckpt.tree.encode import MAX_DEPTH
+
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        with pytest.raises(lazyckpt.UnsupportedValueError, match=rf"state\['deep'\].*deeper than {MAX_DEPTH} levels"):
+            ckpt.save({"deep": _nested(MAX_DEPTH + 5)}, step=1)
+        assert ckpt.save({"fine": _nested(3)}, step=1).wait(), "the refused request left nothing behind"

@@ -27,6 +27,9 @@ from lazyckpt.format.header import dtype_name
 from lazyckpt.tree import values
 from lazyckpt.tree.paths import Path, path_str, tensor_key
 
+MAX_DEPTH = 100
+"""Containers nest at most this deep in a state (docs/FORMAT.md): decoding stays far from Python's recursion limit
+even when ``load()`` is called deep in a program's stack, so whatever saves loads."""
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 """Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""
 
@@ -86,6 +89,9 @@ class _Flattener:
             return int(value)
         if isinstance(value, float):
             return value if math.isfinite(value) else {"$float": repr(value)}
+        if isinstance(value, (dict, list, tuple)) and len(path) >= MAX_DEPTH:
+            raise UnsupportedValueError(f"{path_str(path[:6])}... nests containers deeper than {MAX_DEPTH} levels, "
+                                        "which no reader may have to decode; flatten it (e.g. a list of rows)")
         if isinstance(value, dict):
             # a str key is stored as it is: skipping the call saved a fifth of flatten() for a state dict of tensors
             return {"$dict": [[k if type(k) is str else self._key(k, path), self.encode(v, (*path, k))]

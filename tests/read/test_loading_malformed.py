@@ -103,6 +103,20 @@ def test_deeply_nested_manifest_is_a_format_error(tmp_path):
         lazyckpt.load(path)
 
 
+def test_a_sealed_tree_nested_deeper_than_any_save_writes_is_a_format_error_not_a_recursion_error(tmp_path):
+    from helpers.forge import edit_manifest, reseal
+
+    path = _committed(tmp_path, {"w": torch.ones(4)})
+    deep = 0
+    for _ in range(400):  # 400 nested tuples: well inside JSON's limits, far past what a save writes
+        deep = {"$tuple": [deep]}
+    edit_manifest(os.path.join(path, "rank-00000.json"), lambda doc: doc["tree"]["$dict"].append(["deep", deep]))
+    reseal(path)
+    for read in (lazyckpt.load, lazyckpt.verify):
+        with pytest.raises(CheckpointFormatError, match="nests deeper than"):
+            read(path)
+
+
 def test_decoding_a_torch_dtype_tag_imports_no_module(tmp_path):
     code = (
         "import sys, torch\n"
