@@ -108,6 +108,8 @@ def _global_tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
         check_fields(info, {"dtype": _dtype, "shape": _shape, "boxes": _anything}, at)
         if not isinstance(info["boxes"], list):
             _fail(at, "field 'boxes' must be a list")
+        if len(info["boxes"]) > doc["world_size"]:  # each rank writes at most one box of a tensor
+            _fail(at, f"lists {len(info['boxes'])} boxes, more than world_size={doc['world_size']}")
         for box in info["boxes"]:
             check_fields(box, {"rank": _int_at_least(0), "offsets": _shape, "lengths": _shape}, f"{at} box")
             if box["rank"] >= doc["world_size"]:
@@ -124,13 +126,22 @@ def check_global_tensors(index: dict[str, Any], world_size: int, where: str) -> 
 
 
 def _check_tiling(where: str, shape: list[int], boxes: list[dict[str, Any]]) -> None:
-    covered = 0
-    for index, box in enumerate(boxes):
-        size = numel_of(box["lengths"])
-        covered += size
-        for other in boxes[:index]:
-            if size and _overlap(box, other):
+    """The boxes tile the tensor: they cover as many elements as it holds, and no two overlap. Overlaps are found
+    by a sweep along the dimension the boxes are split most along, sorted by where they start there: a box is
+    compared only with those still open at its start (one for a split along one dimension, a row of a grid), not
+    with every other box."""
+    solid = [box for box in boxes if numel_of(box["lengths"])]
+    dim = max(range(len(shape)), key=lambda d: len({b["offsets"][d] for b in solid}), default=None)
+    start = (lambda b: b["offsets"][dim]) if dim is not None else (lambda b: 0)
+    end = (lambda b: b["offsets"][dim] + b["lengths"][dim]) if dim is not None else (lambda b: 1)
+    open_boxes: list[dict[str, Any]] = []
+    for box in sorted(solid, key=start):
+        open_boxes = [other for other in open_boxes if end(other) > start(box)]
+        for other in open_boxes:
+            if _overlap(box, other):
                 _fail(where, f"has overlapping boxes on ranks {other['rank']} and {box['rank']}")
+        open_boxes.append(box)
+    covered = sum(numel_of(box["lengths"]) for box in boxes)
     if covered != numel_of(shape):
         _fail(where, f"boxes cover {covered} of the {numel_of(shape)} elements of {shape}")
 
