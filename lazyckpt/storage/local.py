@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import secrets
 import shutil
 import stat as stat_mod
 from collections.abc import Sequence
@@ -42,15 +44,22 @@ class LocalStorage:
     # --- small files and the namespace ---------------------------------------------------------------------
 
     def write_atomic(self, path: str, data: bytes, *, sync: bool) -> None:
-        tmp = f"{path}{_TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | CLOEXEC, 0o644)
+        # A fresh name, created exclusively and never through a link: a file or link planted where the temp file
+        # goes (``out.tmp`` next to an export) is never written through.
+        tmp = f"{path}.{secrets.token_hex(6)}{_TMP_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | CLOEXEC, 0o644)
         try:
-            pwrite_all(fd, [memoryview(data)], 0)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                pwrite_all(fd, [memoryview(data)], 0)
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if sync:
             self.sync_dir(os.path.dirname(path))
 

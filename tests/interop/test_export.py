@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 
 import numpy as np
@@ -96,3 +97,17 @@ def test_the_cli_exports_and_reports_a_missing_checkpoint(tmp_path, capsys):
     assert sorted(load_file(tmp_path / "m.safetensors")) == ["embed.weight", "norm.bias", "norm.weight"]
     assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x.ckpt")]) == 1
     assert "nope" in capsys.readouterr().err
+
+
+def test_an_export_never_writes_through_a_file_planted_where_its_temp_file_could_go(tmp_path):
+    with lazyckpt.LazyCheckpointer(tmp_path / "ckpt") as ckpt:
+        path = ckpt.save({"model": {"w": torch.ones(3)}}, step=1).wait()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    os.symlink(victim, f"{out}.tmp")  # the fixed temp name an export used to write through
+    export(path, out, format="safetensors")
+    assert victim.read_bytes() == b"keep me"
+    assert torch.equal(load_file(str(out))["w"], torch.ones(3))
+    assert sorted(os.listdir(out.parent)) == ["model.safetensors", "model.safetensors.tmp"], "no temp file left"
