@@ -32,6 +32,7 @@ from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import Reporter, ResumedRng, RunLayout, capture_rng, check_fits, find_generators, restore_sharded
 from lazyckpt.read.load import check_committed
 from lazyckpt.storage import FileKind, LocalStorage, kind_of
+from lazyckpt.storage.urls import is_url
 
 from . import _compat
 
@@ -48,9 +49,20 @@ def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
 
 
 def local_path(url: str | os.PathLike[str]) -> str:
-    """The checkpoint path a ``lazyckpt://`` URL names (a plain path is returned as it is)."""
+    """The checkpoint path a ``lazyckpt://`` URL names (a plain path is returned as it is).
+
+    Raises:
+        ValueError: the URL wraps another URL (``lazyckpt://s3://...``): ``lazyckpt://`` names local checkpoints,
+            and nothing is sent to the host it names.
+    """
     text = os.fspath(url)
-    return text[len(URL_PREFIX):] if text.startswith(URL_PREFIX) else text
+    if not text.startswith(URL_PREFIX):
+        return text
+    inner = text[len(URL_PREFIX):]
+    if is_url(inner):
+        raise ValueError(f"{text!r}: {URL_PREFIX} names a local lazyckpt checkpoint, not {inner!r}; load a remote "
+                         "checkpoint with lazyckpt.load(url, storage_options=...), or fetch it to a local directory")
+    return inner
 
 
 def load_weights(module: torch.nn.Module, path: str | os.PathLike[str], *, strict: bool = True,

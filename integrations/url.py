@@ -42,7 +42,9 @@ class LazyCheckpointFileSystem(AbstractFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
-        return local_path(super()._strip_protocol(path)) if isinstance(path, str) else super()._strip_protocol(path)
+        if not isinstance(path, str):
+            return super()._strip_protocol(path)
+        return local_path(path if path.startswith(URL_PREFIX) else URL_PREFIX + super()._strip_protocol(path))
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         manifest = LocalStorage().stat(os.path.join(self._strip_protocol(path), MANIFEST))

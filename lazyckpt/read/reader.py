@@ -9,6 +9,7 @@ without following links: only regular files inside the checkpoint directory are 
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.format.schema import check_member_name, parse_manifest
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
+from lazyckpt.storage.urls import is_url
 from lazyckpt.tree.decode import unflatten
 
 Progress = Callable[[int], None]
@@ -66,6 +68,7 @@ class CheckpointReader:
         return self.top["world_size"]
 
     def _checkpoint_dir(self, path: str) -> str:
+        path = _normalized(path)
         info = self.storage.stat(path)
         if info is not None and info.kind is FileKind.LINK:  # e.g. a "last" alias: the link itself is the user's
             path = self.storage.resolve(path)
@@ -154,6 +157,15 @@ class CheckpointReader:
             return unflatten(opened.doc["tree"], tensors, opened.manifest)
         finally:
             opened.close()
+
+
+def _normalized(path: str) -> str:
+    """``path`` without ``.`` and ``..`` parts or a trailing slash, so ``step-N.partial/.`` is seen as the partial
+    directory it is (a URL keeps its scheme: only its path part is normalized)."""
+    if is_url(path):
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{posixpath.normpath(rest)}"
+    return os.path.normpath(path)
 
 
 def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:

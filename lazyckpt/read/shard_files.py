@@ -67,7 +67,11 @@ class ShardFiles:
 
     def read_whole(self, rank: int, key: str) -> torch.Tensor:
         """A whole stored tensor of ``rank``'s file, in its own memory."""
-        info = self.rank(rank).doc["tensors"][key]
+        opened = self.rank(rank)
+        info = opened.doc["tensors"].get(key)
+        if info is None:
+            raise CheckpointFormatError(f"{opened.manifest}: the tree refers to tensor {key!r}, which neither this "
+                                        "rank's file nor the global view holds")
         data = self.read(rank, key, 0, info["offsets"][1] - info["offsets"][0])
         dtype = torch_dtype(info["dtype"], f"{self.rank(rank).manifest}: tensor {key!r}")
         return torch.from_numpy(data.copy()).view(dtype).reshape(info["shape"])
@@ -110,7 +114,12 @@ class ShardFiles:
         out = {}
         for key in keys:
             info = self.index[key]
-            full = torch.empty(info["shape"], dtype=torch_dtype(info["dtype"], f"{self.reader.path}: {key!r}"))
+            dtype = torch_dtype(info["dtype"], f"{self.reader.path}: {key!r}")
+            try:
+                full = torch.empty(info["shape"], dtype=dtype)
+            except (RuntimeError, MemoryError) as e:  # e.g. a huge global shape
+                raise MemoryError(f"{self.reader.path}: cannot allocate global tensor {key!r} {info['shape']}: "
+                                  f"{e}") from None
             self.fill(key, full, (0,) * full.dim())
             out[key] = full if device is None else full.to(device)
         return out

@@ -146,3 +146,12 @@ def test_an_unstorable_hyper_parameter_fails_before_training_with_the_fix(tmp_pa
                        match=r"state\['activation'\].*save_hyperparameters\(ignore=\['activation'\]\)"):
         trainer.fit(model)
     assert model.steps == 0 and lazyckpt.latest(tmp_path / "ckpt") is None
+
+
+@pytest.mark.parametrize("inner", ["s3://bucket/run/step-0000001", "http://example.invalid/step-0000001"])
+def test_a_lazyckpt_url_wrapping_another_url_is_refused_before_any_request(inner):
+    import fsspec
+
+    with pytest.raises(ValueError, match="names a local lazyckpt checkpoint"):
+        with fsspec.open(f"lazyckpt://{inner}", "rb") as f:
+            f.read()

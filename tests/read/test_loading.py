@@ -132,3 +132,29 @@ def test_loading_leaves_no_thread_behind_and_the_torch_thread_count_unchanged(la
     lazyckpt.verify(path)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("lazyckpt-load")]
     assert torch.get_num_threads() == threads
+
+
+def test_a_partial_directory_named_with_a_trailing_dot_is_still_not_a_checkpoint(tmp_path):
+    import shutil
+
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({"w": torch.ones(2)}, step=1).wait()
+    partial = tmp_path / "step-0000002.partial"
+    shutil.copytree(path, partial)  # every file there, but never committed
+    for name in (f"{partial}/.", f"{partial}/", f"{tmp_path}/./step-0000002.partial"):
+        with pytest.raises(lazyckpt.CheckpointNotFoundError, match="partial"):
+            lazyckpt.load(name)
+        with pytest.raises(lazyckpt.CheckpointNotFoundError):
+            lazyckpt.verify(name)
+
+
+def test_load_into_a_tree_naming_a_tensor_no_file_holds_is_a_format_error(tmp_path):
+    from helpers.forge import edit_manifest, reseal
+
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({"w": torch.ones(2)}, step=1).wait()
+    edit_manifest(os.path.join(path, "rank-00000.json"),
+                  lambda doc: doc["tree"]["$dict"].append(["g", {"$tensor": "ghost"}]))
+    reseal(path)
+    with pytest.raises(lazyckpt.CheckpointFormatError, match="'ghost'"):
+        lazyckpt.load_into(path, {"w": torch.zeros(2)})
