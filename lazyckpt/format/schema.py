@@ -12,7 +12,7 @@ from typing import Any
 
 from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.checksum import ALGORITHM, CHUNK_BYTES, num_chunks, sha256_hex
-from lazyckpt.format.files import FORMAT_NAME, READABLE_VERSIONS
+from lazyckpt.format.files import FORMAT_NAME, MANIFEST, READABLE_VERSIONS
 from lazyckpt.format.header import check_shape, numel_of, parse_json, torch_dtype
 from lazyckpt.format.manifest import SEAL_FIELD
 
@@ -118,6 +118,39 @@ def _global_tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
                 _fail(f"{at} box of rank {box['rank']}", f"(offsets {box['offsets']}, lengths {box['lengths']}) is "
                                                          f"not inside the global shape {info['shape']}")
         _check_tiling(at, info["shape"], info["boxes"])
+
+
+def check_against_global_view(doc: dict[str, Any], top: dict[str, Any], rank: int, where: str) -> None:
+    """A rank manifest and ``manifest.json``'s global view must say the same (rule 23): every boxed tensor of the
+    rank is a block the global view lists, every block the global view gives this rank is in its file, and a tensor
+    of the rank alone is not in the global view. Every reader runs this when it opens a rank, so none takes a shard
+    for a whole tensor, or another rank's block for this one's."""
+    index = top.get("tensors", {})
+    for key, entry in doc["tensors"].items():
+        box, info = entry.get("box"), index.get(key)
+        if box is None:
+            if info is not None:
+                _disagree(where, key, "is this rank's own (box null), the global view lists it")
+            continue
+        if info is None or info["dtype"] != entry["dtype"] or info["shape"] != box["global_shape"]:
+            _disagree(where, key, f"is a block of {entry['dtype']}{box['global_shape']}, the global view says "
+                                  f"{None if info is None else info['dtype'] + str(info['shape'])}")
+        if not any(b["offsets"] == box["offsets"] and b["lengths"] == entry["shape"] for b in info["boxes"]):
+            _disagree(where, key, f"holds the block at {box['offsets']} of lengths {entry['shape']}, which the "
+                                  "global view does not list")
+    for key, info in index.items():
+        for b in info["boxes"]:
+            if b["rank"] != rank:
+                continue
+            entry = doc["tensors"].get(key)
+            if entry is None or entry.get("box") != {"global_shape": info["shape"], "offsets": b["offsets"]} \
+                    or entry["shape"] != b["lengths"]:
+                _disagree(where, key, f"lacks the block at {b['offsets']} that the global view places in this "
+                                      "rank's file")
+
+
+def _disagree(where: str, key: str, problem: str) -> None:
+    raise CheckpointFormatError(f"{where} and the global view of {MANIFEST} disagree about tensor {key!r}: it {problem}")
 
 
 def check_global_tensors(index: dict[str, Any], world_size: int, where: str) -> None:
