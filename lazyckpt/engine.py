@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
-from lazyckpt.errors import CommitAbandoned, StepAlreadyCommittedError
+from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import CommittedSteps, DirectoryLock, meet_ranks
 from lazyckpt.levels.memory import MemoryLevel
@@ -142,7 +142,7 @@ class LazyCheckpointer:
         try:
             pending, job = self._request(state, step, attempt, optimizers, immutable, started)
         except BaseException as e:  # every rank gives this attempt up at once, not at commit_timeout_s
-            if self._rendezvous is not None and not isinstance(e, CommitAbandoned):
+            if self._rendezvous is not None:  # (after another rank's failure too: this rank is done with it)
                 self._rendezvous.abandon(attempt, f"save(step={step}) raised {e!r}")
             raise
         self._raise_earlier_failure(step, job)
@@ -159,7 +159,7 @@ class LazyCheckpointer:
                                             "lazyckpt never overwrites a checkpoint (use a new step number)")
         if not self._make_room(step):
             warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
-                          "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=4)
+                          "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=3)
             return PendingCheckpoint(self._ends.barrier, None, step), None
         self._steps.check_order(step)
         rendezvous = self._rendezvous

@@ -129,7 +129,14 @@ class CheckpointNames:
         if request is None or request.submitted:
             return []
         request.submitted = True
-        request.pending = self._save(request.step)
+        try:
+            request.pending = self._save(request.step)
+        except BaseException:  # an earlier failure, raised once this step's request was taken: names follow it
+            taken = self._session.last_request
+            if taken is not None and taken.step == request.step:
+                request.pending = taken
+                self._requests.append(request)
+            raise
         if request.pending is None or request.pending.skipped:
             for kind, name, _ in request.actions:
                 if kind == "link":

@@ -147,15 +147,29 @@ class CheckpointSession:
         started = time.monotonic() if started is None else started
         state, optimizers, immutable = self._rank_state(replicated, per_rank, optimizers, immutable)
         try:
-            pending = self._last = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
+            pending = self.engine.save(state, step=step, optimizers=optimizers, immutable=immutable)
         except StepAlreadyCommittedError as e:
             if if_committed == "raise":
                 raise
             warnings.warn(f"lazyckpt: not saving step {step}: {e}", RuntimeWarning, stacklevel=2)
             return None
+        except BaseException:
+            taken = self.engine.in_flight  # an earlier failure, raised once this step's request was taken
+            if taken is not None and taken.step == step:
+                self._requested(taken, started)
+            raise
+        return self._requested(pending, started)
+
+    @property
+    def last_request(self) -> PendingCheckpoint | None:
+        """The newest request this session made (also one whose ``save()`` then raised an earlier failure)."""
+        return self._last
+
+    def _requested(self, pending: PendingCheckpoint, started: float) -> PendingCheckpoint:
+        self._last = pending
         if not pending.skipped:
-            self._awaiting_barrier = step
-            self._add_stall(step, time.monotonic() - started)
+            self._awaiting_barrier = pending.step
+            self._add_stall(pending.step, time.monotonic() - started)
         return pending
 
     def _rank_state(self, replicated: Mapping[str, Any] | Callable[[], Mapping[str, Any]],

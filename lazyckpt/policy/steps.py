@@ -107,7 +107,8 @@ class StepRequests(Generic[C]):
                 self._warned_late = True
                 warnings.warn(late, RuntimeWarning, stacklevel=3)
             captured, self.waiting = self.waiting, None
-            self.pending, self.requested_step = save(captured), captured.step
+            self.requested_step = captured.step  # before: a save() that raises an earlier failure took it too
+            self.pending = save(captured)
         return self.pending
 
     def drop(self, step: int) -> None:

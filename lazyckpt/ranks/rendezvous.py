@@ -64,6 +64,8 @@ class Rendezvous:
                  timeout_s: float, clear_dir: Callable[[], None]) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self._can_delete = True
+        self._given_up: dict[Attempt, None] = {}
+        """The attempts this rank abandoned, newest last (a second abandon could re-create deleted keys)."""
         self._agreed: str | None = None
         """The last plan signature every rank agreed on at save() (None before the first save)."""
         count = _INSTANCES.get((id(store), rank), 0)
@@ -97,13 +99,13 @@ class Rendezvous:
 
     # --- save: the ranks' states must agree ----------------------------------------------------------------
 
-    def agree(self, attempt: int, signature: str) -> None:
+    def agree(self, attempt: Attempt, signature: str) -> None:
         """Publish this rank's plan signature (its tensors' keys, dtypes and global shapes) for ``attempt``.
 
         The training thread waits for the other ranks' signatures only when this one differs from the last one
         every rank agreed on (the first save, or this rank's state changed): a rank whose state changed is the
-        one that meets, and the commit checks the others (:meth:`check_plans`). On a mismatch this rank
-        abandons the attempt, so the ranks that did not wait stop waiting for it at once, and raises."""
+        one that meets, and the commit checks the others (:meth:`check_plans`). On a mismatch it raises, and the
+        failing ``save()`` abandons the attempt, so the ranks that did not wait stop waiting for it at once."""
         self.store.set(f"{self.prefix}/{attempt}/plan/{self.rank}", signature.encode())
         if signature == self._agreed:
             return
@@ -111,7 +113,6 @@ class Rendezvous:
         self._wait(keys, "every rank to call save() for the same step", attempt=attempt)
         error = self._mismatch(signature, self.store.multi_get(keys))
         if error is not None:
-            self.abandon(attempt, str(error))
             raise error
         self._agreed = signature
 
@@ -168,6 +169,11 @@ class Rendezvous:
     def abandon(self, attempt: Attempt, reason: str) -> None:
         """Tell every rank that this attempt failed here, so none waits for it or commits it (the first rank's
         reason is kept: a rank that gives up because another failed adds nothing)."""
+        if attempt in self._given_up:
+            return
+        self._given_up[attempt] = None
+        if len(self._given_up) > 256:
+            del self._given_up[next(iter(self._given_up))]
         failed = f"{self.prefix}/{attempt}/failed"
         if not self.store.check([failed]):
             self.store.set(failed, f"rank {self.rank}: {reason}".encode())

@@ -459,3 +459,25 @@ def test_run_feedback_reports_commits_and_the_summary_only_where_it_is_given_som
 def test_per_rank_values_come_from_the_own_rank_or_rank_zero_when_the_rank_count_changed(rank, world_size, saved,
                                                                                         expected):
     assert per_rank_source(rank, world_size, saved) == expected
+
+
+def test_a_request_taken_by_a_save_that_raises_an_earlier_failure_is_still_the_session_s(tmp_path):
+    """The engine raises an earlier background failure only after taking the new request: the session counts that
+    request as made (its stall, its barrier, the same handle when asked again), so a framework that catches the
+    error and asks again gets it, not StepAlreadyCommittedError, and every rank keeps its attempts in step."""
+    from conftest import FailingStorage
+
+    storage = FailingStorage()
+    session = CheckpointSession(tmp_path, options(engine={"storage": storage}), rank=0, world_size=1)
+    storage.fail = True
+    first = session.save(1, replicated={"w": torch.ones(4)}, per_rank={})
+    first._job.wait_done()  # failed in the background; nobody has heard of it yet
+    storage.fail = False
+    with pytest.raises(OSError, match="injected"):
+        session.save(2, replicated={"w": torch.ones(4)}, per_rank={})
+    taken = session.last_request
+    assert taken is not None and taken.step == 2 and 2 in session.stalls
+    assert session.save(2, replicated={"w": torch.ones(4)}, per_rank={}) is taken, "asked again: the same handle"
+    session.barrier()
+    assert taken.wait().endswith("step-0000002")
+    session.close()
