@@ -3,6 +3,8 @@ partial uploads nobody can still be writing, and no commit object names an objec
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -58,3 +60,52 @@ def test_the_commit_object_is_never_written_over_a_missing_object(tmp_path):
             ckpt.save({"w": torch.ones(4)}, step=1).wait_remote()
     assert lazyckpt.latest(url) is None
     assert lazyckpt.checkpoint_step(lazyckpt.latest(tmp_path / "local")) == 1, "the local level keeps it"
+
+
+class _Unreachable(FsspecStorage):
+    """The remote as one rank sees it after losing its connection: nothing it uploads arrives."""
+
+    def upload_file(self, local_path, path):
+        raise ConnectionError(f"connection lost (injected) while writing {path}")
+
+
+def test_without_a_store_a_killed_run_s_leftover_manifest_never_completes_a_new_upload(tmp_path):
+    """Two ranks sharing a directory, no store: rank 0 meets rank 1 on the remote itself. A killed run left rank 1's
+    files of step 1 there; rank 1's own upload of step 1 never arrives. Rank 0 must not take the leftover for it."""
+    url, shared = f"file://{tmp_path}/remote", str(tmp_path / "shared")
+    remote = FsspecStorage(url)
+    remote.write_atomic(f"{url}/step-0000001/rank-00001.json", b'{"left": "by a killed run"}', sync=True)
+    remote.write_atomic(f"{url}/step-0000001/rank-00001-of-00002.safetensors", b"stale", sync=True)
+    ckpts = [lazyckpt.LazyCheckpointer(shared, rank=r, world_size=2, store=None, remote=url, remote_timeout_s=2.0)
+             for r in (0, 1)]
+    ckpts[1].remote.storage = _Unreachable(url)
+    outcomes = {}
+
+    def rank(r):
+        pending = ckpts[r].save({"r": torch.full((4,), float(r))}, step=1)
+        pending.wait()
+        try:
+            outcomes[r] = pending.wait_remote()
+        except (TimeoutError, ConnectionError) as e:
+            outcomes[r] = type(e).__name__
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcomes == {0: "TimeoutError", 1: "ConnectionError"}, outcomes
+    assert lazyckpt.latest(url) is None, "no commit object over another run's rank 1 files"
+    for ckpt in ckpts:
+        ckpt.close()  # each failure was delivered by wait_remote(), once
+
+
+def test_a_partial_upload_the_job_still_retries_outlives_a_newer_commit(tmp_path):
+    from lazyckpt.levels.remote.contents import remove_partial_uploads
+
+    url = f"file://{tmp_path}/remote"
+    with lazyckpt.LazyCheckpointer(tmp_path / "local", remote=url) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=3).wait_remote()
+    retried = _plant_partial(url, 2)  # a failed upload of step 2, queued again behind step 3
+    assert remove_partial_uploads(FsspecStorage(url), url, below=3, keep={2}) == []
+    assert remove_partial_uploads(FsspecStorage(url), url, below=3) == [retried]

@@ -9,6 +9,7 @@ the next run cleans up, never a "committed" step with missing files.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from lazyckpt.format.catalog import catalog, committed_steps
 from lazyckpt.format.files import MANIFEST, STEP_DIR
@@ -28,17 +29,19 @@ def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]
     return found.committed, found.uncommitted
 
 
-def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = None) -> list[str]:
-    """Delete uploads without their commit object at steps below ``below`` (default: the newest committed step);
-    returns their URLs.
+def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = None,
+                           keep: Collection[int] = ()) -> list[str]:
+    """Delete uploads without their commit object at steps below ``below`` (default: the newest committed step),
+    except the steps in ``keep`` (still queued or retried by this job); returns their URLs.
 
-    A newer one may be the upload another live job is writing right now (a job uploads its steps in order, so once
-    a newer step is committed an older partial one is nobody's); it is removed after a newer commit. A ``step-*``
-    entry that is no step directory at all is nobody's upload either and goes too.
+    A newer one may be the upload another live job is writing right now; an older one is nobody's once a newer
+    step is committed, except a failed upload this job still retries. A ``step-*`` entry that is no step directory
+    at all is nobody's upload either and goes too.
     """
     committed, partial = remote_steps(storage, url)
     limit = below if below is not None else max(committed, default=None)
-    doomed = [entry for entry in partial if (step := _step_of(entry)) is None or limit is not None and step < limit]
+    doomed = [entry for entry in partial if (step := _step_of(entry)) is None
+              or limit is not None and step < limit and step not in keep]
     for entry in doomed:
         storage.remove_tree(entry)
     if doomed:

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, rank_manifest
+from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.ranks.rendezvous import Rendezvous, poll_until
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
 
 TIMEOUT_OPTION = "remote_timeout_s"
+WriteCommit = Callable[[], int]
+"""Rank 0's commit: write the commit object once every rank's files are up; returns its bytes."""
 
 
-def upload_attempt(save_attempt: int, retry: bool) -> str:
+def upload_attempt(save_attempt: int | str, retry: bool) -> str:
     """The store key of one upload: its save's attempt (counted alike on every rank) and which try this is."""
     return f"remote/{save_attempt}/{int(retry)}"
 
@@ -35,9 +39,10 @@ class StoreMeeting:
     def __init__(self, rendezvous: Rendezvous, *, rank: int, timeout_s: float) -> None:
         self.rendezvous, self.rank, self.timeout = rendezvous, rank, (timeout_s, TIMEOUT_OPTION)
 
-    def commit(self, attempt: str, step_url: str, write_commit: Callable[[], int]) -> int:
+    def commit(self, attempt: str, step_url: str, known: dict[int, str], write_commit: WriteCommit) -> int:
         """After this rank's files are up: on rank 0, ``write_commit()`` once every rank announced ``attempt``
-        (returns its bytes); elsewhere, wait until rank 0 did (returns 0)."""
+        (returns its bytes); elsewhere, wait until rank 0 did (returns 0). A rank announces only after its own
+        files went up, so what the remote holds then is this save's, whatever an earlier run left there."""
         self.rendezvous.announce(attempt)
         if self.rank != 0:
             self.rendezvous.wait_committed(attempt, by=0, timeout=self.timeout)
@@ -58,15 +63,24 @@ class RemoteMeeting:
     def __init__(self, storage: Storage, *, rank: int, world_size: int, timeout_s: float) -> None:
         self.storage, self.rank, self.world_size, self.timeout_s = storage, rank, world_size, timeout_s
 
-    def commit(self, attempt: str, step_url: str, write_commit: Callable[[], int]) -> int:
+    def commit(self, attempt: str, step_url: str, known: dict[int, str], write_commit: WriteCommit) -> int:
+        """``known``: the hash of every rank manifest in the shared local directory (without a store the ranks
+        share it). Rank 0 waits until each other rank's manifest on the remote is the very one it uploaded for this
+        save (a killed run's leftover manifest of the same step does not count), then writes the commit."""
         if self.rank != 0:
             poll_until(lambda: self.storage.stat(join(step_url, MANIFEST)) is not None, self.timeout_s,
-                      f"rank 0 to commit {step_url} ({TIMEOUT_OPTION})")
+                       f"rank 0 to commit {step_url} ({TIMEOUT_OPTION})")
             return 0
-        others = [join(step_url, rank_manifest(r)) for r in range(1, self.world_size)]  # its own is up already
-        poll_until(lambda: all(self.storage.stat(name) is not None for name in others), self.timeout_s,
-                  f"the other {self.world_size - 1} rank(s) to upload their files to {step_url} ({TIMEOUT_OPTION})")
+        others = range(1, self.world_size)  # its own is up already
+        poll_until(lambda: all(self._uploaded(step_url, r, known.get(r)) for r in others), self.timeout_s,
+                   f"the other {self.world_size - 1} rank(s) to upload their files to {step_url} ({TIMEOUT_OPTION})")
         return write_commit()
+
+    def _uploaded(self, step_url: str, rank: int, sha: str | None) -> bool:
+        name = join(step_url, rank_manifest(rank))
+        if self.storage.stat(name) is None:
+            return False
+        return sha is None or sha256_hex(self.storage.read_bytes(name, max_bytes=MAX_MANIFEST_BYTES)) == sha
 
     def give_up(self, attempt: str, error: BaseException) -> None:
         """Nothing to tell: a rank that gave up uploads no manifest, and rank 0's wait runs out."""

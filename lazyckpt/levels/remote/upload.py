@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import RemoteUnreachableError
+from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
@@ -254,15 +255,27 @@ class RemoteLevel:
         try:
             nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name))
                          for name in self._own_files(local_dir))
-            return nbytes + self.meeting.commit(attempt, upload.url, lambda: self._write_commit(upload.url, local_dir))
+            known = self._local_manifest_hashes(local_dir)
+            return nbytes + self.meeting.commit(attempt, upload.url, known,
+                                                lambda: self._write_commit(upload.url, local_dir))
         except BaseException as e:
             self.meeting.give_up(attempt, e)
             raise
 
+    def _local_manifest_hashes(self, local_dir: str) -> dict[int, str]:
+        """The SHA-256 of each rank manifest in this rank's local copy of the step (all of them in a shared
+        directory, this rank's own with one directory per node)."""
+        hashes = {}
+        for rank in range(self.world_size):
+            path = os.path.join(local_dir, rank_manifest(rank))
+            if self.local.stat(path) is not None:
+                hashes[rank] = sha256_hex(self.local.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES))
+        return hashes
+
     def _write_commit(self, step_url: str, local_dir: str) -> int:
-        """Rank 0, once every rank's upload is announced: the commit object, after checking that every object it
-        names is there (each rank's manifest and tensor file): a step whose files another job's clean-up or an
-        outage took is never committed. Returns its bytes."""
+        """Rank 0, once every rank's upload is this save's (see the meetings): the commit object, after checking
+        that every object it names is there (each rank's manifest and tensor file): a step whose files an outage or
+        another job took is never committed. Returns its bytes."""
         there = set(self.storage.list_dir(step_url))
         ranks = range(self.world_size)
         named = [name for r in ranks for name in (rank_manifest(r), rank_file(r, self.world_size))]
@@ -312,6 +325,8 @@ class RemoteLevel:
             committed, _ = remote_steps(self.storage, self.url)
             for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
                 remove_remote_step(self.storage, committed[step])
-            remove_partial_uploads(self.storage, self.url, below=just_committed)  # nobody's once a newer one commits
+            with self._lock:  # a failed upload retried after this commit is still this job's (every rank queues it)
+                busy = {u.step for u in self._uploads.values()} | {u.step for u, _ in self._to_retry}
+            remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy)
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)
