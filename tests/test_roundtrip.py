@@ -163,3 +163,29 @@ def test_a_state_nested_deeper_than_the_limit_is_refused_at_save_naming_its_path
         with pytest.raises(lazyckpt.UnsupportedValueError, match=rf"state\['deep'\].*deeper than {MAX_DEPTH} levels"):
             ckpt.save({"deep": _nested(MAX_DEPTH + 5)}, step=1)
         assert ckpt.save({"fine": _nested(3)}, step=1).wait(), "the refused request left nothing behind"
+
+
+def test_typed_values_wrapping_deep_containers_are_measured_so_what_saves_loads(tmp_path):
+    """Dataclasses and namespaces wrap each container in more JSON levels than a dict: a state that is not too deep
+    by its key paths can still be too deep to decode; save() measures it and refuses it, or it loads."""
+    import argparse
+
+    def wrapped(depth, make):
+        value = 0
+        for _ in range(depth):
+            value = make(value)
+        return value
+
+    @dataclasses.dataclass
+    class Node:
+        child: object
+
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        for step, make in enumerate((Node, lambda v: argparse.Namespace(child=v)), start=1):
+            state = {"deep": wrapped(95, make)}  # 95 levels by key path: within MAX_DEPTH
+            try:
+                path = ckpt.save(state, step=step).wait()
+            except lazyckpt.UnsupportedValueError as e:
+                assert "levels deep, more than the 508" in str(e)
+                continue
+            lazyckpt.load(path)  # saved, so it decodes

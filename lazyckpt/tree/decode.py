@@ -15,7 +15,7 @@ import torch
 from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 from lazyckpt.tree import values
-from lazyckpt.tree.encode import MAX_DEPTH
+from lazyckpt.tree.encode import MAX_DEPTH, MAX_NODE_DEPTH, node_depth
 
 _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -30,22 +30,13 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor], where: str = "manifes
     return _Decoder(tensors, where).decode(tree, "state")
 
 
-MAX_NODE_DEPTH = 3 * MAX_DEPTH + 8
-"""JSON nesting of a tree whose containers nest :data:`~lazyckpt.tree.encode.MAX_DEPTH` deep (a dict takes three
-levels: its tag, its list of pairs, a pair), with room for the tags of one value."""
-
-
 def check_depth(tree: Any, where: str) -> None:
     """Refuse a tree nested deeper than any save writes, before anything recursive reads it (no ``RecursionError``
     from a hostile or damaged manifest)."""
-    stack = [(tree, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_NODE_DEPTH:
-            raise CheckpointFormatError(f"{where}: the tree nests deeper than {MAX_NODE_DEPTH} levels, more than any "
-                                        f"save writes ({MAX_DEPTH} nested containers)")
-        children = node if isinstance(node, list) else node.values() if isinstance(node, dict) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
+    depth = node_depth(tree)
+    if depth > MAX_NODE_DEPTH:
+        raise CheckpointFormatError(f"{where}: the tree nests {depth} levels deep, more than the {MAX_NODE_DEPTH} any "
+                                    f"save writes ({MAX_DEPTH} nested containers)")
 
 
 class _Decoder:

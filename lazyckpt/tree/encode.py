@@ -30,6 +30,12 @@ from lazyckpt.tree.paths import Path, path_str, tensor_key
 MAX_DEPTH = 100
 """Containers nest at most this deep in a state (docs/FORMAT.md): decoding stays far from Python's recursion limit
 even when ``load()`` is called deep in a program's stack, so whatever saves loads."""
+MAX_NODE_DEPTH = 5 * MAX_DEPTH + 8
+"""The JSON nesting a tree may reach: five levels for a dataclass field (its tag, the class and fields object, the
+fields' dict tag, its list of pairs, a pair), three for a dict entry, with room for the tags of one value."""
+_WORST_LEVEL = 7
+"""JSON levels one container level can take at most (a dataclass field holding an Enum): a state whose containers
+nest less than ``MAX_NODE_DEPTH / _WORST_LEVEL`` deep is within the limit without measuring its tree."""
 MAX_INLINE_TENSOR_BYTES = 16 << 20
 """Tensors produced by ``Deferred`` leaves are stored inline in the manifest; keep them small."""
 
@@ -79,6 +85,8 @@ class _Flattener:
         self.per_rank: set[str] = set()
         """Keys of the tensors under a PerRank leaf: written by this rank for this rank."""
         self._in_per_rank = False
+        self.deepest = 0
+        """The longest key path of a container seen: only a deep state needs its tree measured."""
 
     def encode(self, value: Any, path: Path) -> Any:
         if isinstance(value, torch.Tensor):  # first: most leaves of a training state are tensors
@@ -89,9 +97,11 @@ class _Flattener:
             return int(value)
         if isinstance(value, float):
             return value if math.isfinite(value) else {"$float": repr(value)}
-        if isinstance(value, (dict, list, tuple)) and len(path) >= MAX_DEPTH:
-            raise UnsupportedValueError(f"{path_str(path[:6])}... nests containers deeper than {MAX_DEPTH} levels, "
-                                        "which no reader may have to decode; flatten it (e.g. a list of rows)")
+        if isinstance(value, (dict, list, tuple)) and len(path) >= self.deepest:
+            self.deepest = len(path)
+            if self.deepest >= MAX_DEPTH:
+                raise UnsupportedValueError(f"{path_str(path[:6])}... nests containers deeper than {MAX_DEPTH} levels, "
+                                            "which no reader may have to decode; flatten it (e.g. a list of rows)")
         if isinstance(value, dict):
             # a str key is stored as it is: skipping the call saved a fifth of flatten() for a state dict of tensors
             return {"$dict": [[k if type(k) is str else self._key(k, path), self.encode(v, (*path, k))]
@@ -175,12 +185,39 @@ def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple
     """Split ``state`` into (JSON tree, [(key, tensor)], [(path, Deferred)], keys of the PerRank tensors)."""
     flattener = _Flattener(inline_tensors=False)
     tree = flattener.encode(state, ())
+    _check_nesting(tree, flattener.deepest, start=1)
     return tree, flattener.tensors, flattener.deferred, flattener.per_rank
 
 
 def encode_resolved(value: Any, path: Path) -> Any:
     """Encode a Deferred's result; its tensors are stored inline."""
-    return _Flattener(inline_tensors=True).encode(value, path)
+    flattener = _Flattener(inline_tensors=True)
+    encoded = flattener.encode(value, path)
+    _check_nesting(encoded, flattener.deepest, start=_WORST_LEVEL * len(path) + 1)  # where it lands, at worst
+    return encoded
+
+
+def node_depth(tree: Any, start: int = 1) -> int:
+    """The JSON nesting of ``tree`` (``start`` for its root), measured without recursion."""
+    deepest, stack = start, [(tree, start)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node if isinstance(node, list) else node.values() if isinstance(node, dict) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
+    return deepest
+
+
+def _check_nesting(tree: Any, deepest_path: int, *, start: int) -> None:
+    """Refuse an encoding nested deeper than :data:`MAX_NODE_DEPTH` (typed values wrapping containers: dataclasses,
+    namespaces, enums), measured only when its containers nest deep enough for that to be possible."""
+    if _WORST_LEVEL * (deepest_path + 1) + start <= MAX_NODE_DEPTH:
+        return
+    depth = node_depth(tree, start)
+    if depth > MAX_NODE_DEPTH:
+        raise UnsupportedValueError(f"the state's encoding nests {depth} levels deep, more than the {MAX_NODE_DEPTH} "
+                                    "any reader may have to decode (containers inside dataclasses, namespaces or "
+                                    "enums count their wrappers too); flatten it")
 
 
 def fill_deferred(tree: Any, resolved: list[Any]) -> Any:
