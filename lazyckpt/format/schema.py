@@ -120,14 +120,26 @@ def _global_tensors(value: Any, where: str, doc: dict[str, Any]) -> None:
         _check_tiling(at, info["shape"], info["boxes"])
 
 
-def check_against_global_view(doc: dict[str, Any], top: dict[str, Any], rank: int, where: str) -> None:
-    """A rank manifest and ``manifest.json``'s global view must say the same (rule 23): every boxed tensor of the
+class GlobalView:
+    """``manifest.json``'s global view indexed once per reader: each tensor's blocks, and the blocks of each rank."""
+
+    def __init__(self, index: dict[str, Any]) -> None:
+        self.index = index
+        self.blocks = {key: {(tuple(b["offsets"]), tuple(b["lengths"])) for b in info["boxes"]}
+                       for key, info in index.items()}
+        self.of_rank: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        for key, info in index.items():
+            for box in info["boxes"]:
+                self.of_rank.setdefault(box["rank"], []).append((key, box))
+
+
+def check_against_global_view(doc: dict[str, Any], view: GlobalView, rank: int, where: str) -> None:
+    """A rank manifest and ``manifest.json``'s global view must say the same (rule 20): every boxed tensor of the
     rank is a block the global view lists, every block the global view gives this rank is in its file, and a tensor
     of the rank alone is not in the global view. Every reader runs this when it opens a rank, so none takes a shard
-    for a whole tensor, or another rank's block for this one's."""
-    index = top.get("tensors", {})
+    for a whole tensor, or another rank's block for this one's. Costs the rank's own tensors and blocks."""
     for key, entry in doc["tensors"].items():
-        box, info = entry.get("box"), index.get(key)
+        box, info = entry.get("box"), view.index.get(key)
         if box is None:
             if info is not None:
                 _disagree(where, key, "is this rank's own (box null), the global view lists it")
@@ -135,22 +147,21 @@ def check_against_global_view(doc: dict[str, Any], top: dict[str, Any], rank: in
         if info is None or info["dtype"] != entry["dtype"] or info["shape"] != box["global_shape"]:
             _disagree(where, key, f"is a block of {entry['dtype']}{box['global_shape']}, the global view says "
                                   f"{None if info is None else info['dtype'] + str(info['shape'])}")
-        if not any(b["offsets"] == box["offsets"] and b["lengths"] == entry["shape"] for b in info["boxes"]):
+        if (tuple(box["offsets"]), tuple(entry["shape"])) not in view.blocks[key]:
             _disagree(where, key, f"holds the block at {box['offsets']} of lengths {entry['shape']}, which the "
                                   "global view does not list")
-    for key, info in index.items():
-        for b in info["boxes"]:
-            if b["rank"] != rank:
-                continue
-            entry = doc["tensors"].get(key)
-            if entry is None or entry.get("box") != {"global_shape": info["shape"], "offsets": b["offsets"]} \
-                    or entry["shape"] != b["lengths"]:
-                _disagree(where, key, f"lacks the block at {b['offsets']} that the global view places in this "
-                                      "rank's file")
+    for key, block in view.of_rank.get(rank, ()):
+        entry = doc["tensors"].get(key)
+        info = view.index[key]
+        if entry is None or entry.get("box") != {"global_shape": info["shape"], "offsets": block["offsets"]} \
+                or entry["shape"] != block["lengths"]:
+            _disagree(where, key, f"lacks the block at {block['offsets']} that the global view places in this "
+                                  "rank's file")
 
 
 def _disagree(where: str, key: str, problem: str) -> None:
-    raise CheckpointFormatError(f"{where} and the global view of {MANIFEST} disagree about tensor {key!r}: it {problem}")
+    raise CheckpointFormatError(f"{where} and the global view of {MANIFEST} disagree about tensor {key!r}: it "
+                                f"{problem}")
 
 
 def check_global_tensors(index: dict[str, Any], world_size: int, where: str) -> None:

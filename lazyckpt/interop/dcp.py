@@ -62,12 +62,10 @@ class StorageReader(dcp.StorageReader):
         return kind_of(LocalStorage(), os.path.join(os.fspath(checkpoint_id), MANIFEST)) is FileKind.FILE
 
     def read_metadata(self) -> Metadata:
-        """Every global tensor with its blocks, and every plain value of rank 0's tree, under DCP's names. Every
-        rank's manifest is checked against the global view here, before DCP plans a read: a lie about a block is
-        a :class:`~lazyckpt.CheckpointFormatError` of lazyckpt's, not a failure DCP wraps while reading."""
+        """Every global tensor with its blocks, and every plain value of rank 0's tree, under DCP's names. Each
+        rank's manifest is checked against the global view when :meth:`read_data` opens it (DCP wraps what a reader
+        raises in its own exception, with lazyckpt's message)."""
         reader = CheckpointReader(self.path, self.storage)
-        for rank in range(reader.world_size):
-            reader.open_rank(rank).close()
         index = reader.top.get("tensors", {})
         flat, paths = flatten_state_dict(reader.outline(0))
         described: dict[str, Any] = {}

@@ -4,11 +4,12 @@ To give both integrations a new option, add a field to :class:`SessionOptions`: 
 named like its fields here (see :meth:`SessionOptions.from_keywords`), so nothing else changes. Options of the engine
 itself (``CheckpointConfig`` fields, ``storage``, ``backend``) travel in ``engine``.
 
-A URL ``dirpath`` (:func:`url_dirpath_levels`) is split the engine's own way (:func:`lazyckpt.levels.remote.spool.split_levels`)
-before the framework sees the directory: a framework that keeps its file names as links next to the checkpoints
-(Lightning's ``last.ckpt``) gets the private node-local spool directory, where the names and the local level live,
-and the URL becomes the remote level every checkpoint is uploaded to. ``keep_last_k`` applies on the remote; the
-spool keeps the newest checkpoint, the ones a name points at, and any still uploading.
+A URL ``dirpath`` (:func:`url_dirpath_levels`) is split the engine's own way
+(:func:`lazyckpt.levels.remote.spool.split_levels`) before the framework sees the directory: a framework that
+keeps its file names as links next to the checkpoints (Lightning's ``last.ckpt``) gets the private node-local spool
+directory, where the names and the local level live, and the URL becomes the remote level every checkpoint is
+uploaded to. ``keep_last_k`` applies on the remote; the spool keeps the newest checkpoint, the ones a name points
+at, and any still uploading.
 """
 
 from __future__ import annotations

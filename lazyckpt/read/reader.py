@@ -21,7 +21,7 @@ from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.header import header_length, parse_header, torch_dtype
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
-from lazyckpt.format.schema import check_against_global_view, check_member_name, parse_manifest
+from lazyckpt.format.schema import GlobalView, check_against_global_view, check_member_name, parse_manifest
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.storage.urls import is_url
@@ -62,6 +62,7 @@ class CheckpointReader:
             raise CheckpointNotFoundError(f"{path} is not a committed lazyckpt checkpoint (no {MANIFEST}); pass a "
                                           "step-NNNNNNN directory, e.g. lazyckpt.latest(dirpath)")
         self.top = self._manifest(MANIFEST, "top", "the checkpoint directory")
+        self.view = GlobalView(self.top.get("tensors", {}))
 
     @property
     def world_size(self) -> int:
@@ -114,7 +115,7 @@ class CheckpointReader:
         handle = _open(self.storage, file)
         try:
             data_start = _check_header(handle, file, doc, where)
-            check_against_global_view(doc, self.top, rank, where)  # before any tensor byte is read
+            check_against_global_view(doc, self.view, rank, where)  # before any tensor byte is read
         except BaseException:
             handle.close()
             raise
