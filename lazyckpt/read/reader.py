@@ -9,7 +9,6 @@ without following links: only regular files inside the checkpoint directory are 
 from __future__ import annotations
 
 import os
-import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -163,11 +162,12 @@ class CheckpointReader:
 
 def _normalized(path: str) -> str:
     """``path`` without ``.`` and ``..`` parts or a trailing slash, so ``step-N.partial/.`` is seen as the partial
-    directory it is (a URL keeps its scheme: only its path part is normalized)."""
-    if is_url(path):
-        scheme, rest = path.split("://", 1)
-        return f"{scheme}://{posixpath.normpath(rest)}"
-    return os.path.normpath(path)
+    directory it is. A URL loses only trailing ``/`` and ``/.`` parts (``//`` and ``::`` mean something there)."""
+    if not is_url(path):
+        return os.path.normpath(path)
+    while path.endswith(("/.", "/")) and not path.endswith("://"):
+        path = path[:-2] if path.endswith("/.") else path[:-1]
+    return path
 
 
 def placeholders(opened: RankFile) -> dict[str, torch.Tensor]:

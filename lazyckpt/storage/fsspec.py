@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -102,7 +103,7 @@ class FsspecStorage:
     def write_atomic(self, path: str, data: bytes, *, sync: bool) -> None:
         self._make_parent(path)
         if self.protocol == "file":  # a shared file system: readers could see a half-written file, so rename
-            tmp = f"{self._path(path)}.tmp"
+            tmp = f"{self._path(path)}.{secrets.token_hex(6)}.tmp"  # a fresh name: nothing planted is written through
             self.fs.pipe_file(tmp, data)
             self.fs.mv(tmp, self._path(path))
         else:  # one PUT: readers see all of the object or none of it
