@@ -38,7 +38,7 @@ from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.write.capture import capture_job
 from lazyckpt.write.commit import JobEnds
 from lazyckpt.write.copier import Copier
-from lazyckpt.write.inflight import InFlight, deliver_error
+from lazyckpt.write.inflight import InFlight
 from lazyckpt.write.job import CheckpointJob
 from lazyckpt.write.staging import CopyBackend, make_backend
 from lazyckpt.write.stats import StatsLog
@@ -181,9 +181,7 @@ class LazyCheckpointer:
     def _raise_earlier_failure(self, step: int, job: CheckpointJob | None) -> None:
         """Once the request of ``step`` is taken: raise the oldest background failure not delivered yet. Raising it
         before would leave this rank without the checkpoint every other rank took."""
-        error = self._inflight.take_error(excluding=job)
-        if error is None and self.remote is not None:
-            error = self.remote.take_error()
+        error = self._earlier_failure(excluding=job)
         if error is not None:
             error.add_note(f"lazyckpt: raised by save(step={step}), which still took its own request "
                            "(LazyCheckpointer.in_flight)")
@@ -197,8 +195,8 @@ class LazyCheckpointer:
         """
         if self._job is not None:
             self._ends.barrier(self._job)
-        deliver_error(self._inflight.undelivered())
-        self._deliver_remote_error()
+        if (error := self._earlier_failure()) is not None:
+            raise error
 
     def remove(self, step: int) -> bool:
         """Delete the committed checkpoint of ``step`` (for callers with their own retention, e.g. top-k).
@@ -273,8 +271,8 @@ class LazyCheckpointer:
             if self._memory is not None:
                 self._memory.clear()
             self._lock.release()
-        deliver_error(self._inflight.undelivered())
-        self._deliver_remote_error()
+        if (error := self._earlier_failure()) is not None:
+            raise error
 
     def __enter__(self) -> LazyCheckpointer:
         return self
@@ -306,9 +304,13 @@ class LazyCheckpointer:
             self._ends.drain(job, deliver=False)  # its failure is delivered once the new request is taken
         return True
 
-    def _deliver_remote_error(self) -> None:
-        if self.remote is not None:
-            self.remote.deliver_error()
+    def _earlier_failure(self, excluding: CheckpointJob | None = None) -> BaseException | None:
+        """The oldest background failure the training thread has not heard of yet (a checkpoint's first, then an
+        upload's), now counted as heard; ``excluding``: a job just requested, whose own failure is not earlier."""
+        error = self._inflight.take_error(excluding=excluding)
+        if error is None and self.remote is not None:
+            error = self.remote.take_error()
+        return error
 
     def _backend_for(self, tensors: list[torch.Tensor]) -> CopyBackend:
         if self._copier is None:

@@ -69,11 +69,6 @@ class InFlight(Generic[Handle]):
         """The unfinished job of ``step``, if any."""
         return next((j for j in self.unfinished() if j.step == step), None)
 
-    def undelivered(self) -> CheckpointJob | None:
-        """The oldest job whose failure the training thread has not seen yet."""
-        with self._lock:
-            return next((j for j, _ in self._jobs if j.error is not None and not j.error_delivered), None)
-
     def take_error(self, *, excluding: CheckpointJob | None = None) -> BaseException | None:
         """The oldest failure not delivered yet, of a job other than ``excluding``, now counted as delivered."""
         with self._lock:

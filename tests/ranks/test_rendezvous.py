@@ -98,10 +98,10 @@ def test_an_upload_announced_by_an_earlier_try_never_lets_rank_0_commit_a_new_on
     meeting = StoreMeeting(rank0, rank=0, timeout_s=0.5)
     rank1.announce(upload_attempt(2, retry=False))  # rank 1's first try of step 2's upload was durable; it failed
     with pytest.raises(TimeoutError, match="remote_timeout_s"):
-        meeting.commit(upload_attempt(2, retry=True), "memory://bucket/run/step-0000002", {}, lambda: writes.append(1))
+        meeting.commit(upload_attempt(2, retry=True), "memory://bucket/run/step-0000002", "", lambda: writes.append(1))
     StoreMeeting(rank1, rank=1, timeout_s=0.5).give_up(upload_attempt(3, retry=False), ConnectionError("lost"))
     with pytest.raises(CommitAbandoned, match=r"rank 1: upload failed: ConnectionError\('lost'\)"):
-        meeting.commit(upload_attempt(3, retry=False), "memory://bucket/run/step-0000003", {}, lambda: writes.append(1))
+        meeting.commit(upload_attempt(3, retry=False), "memory://bucket/run/step-0000003", "", lambda: writes.append(1))
     assert writes == [], "rank 0 never wrote a commit object"
 
 
@@ -110,8 +110,8 @@ def test_rank_0_commits_an_upload_once_every_rank_announced_it(tmp_path):
     writes = []
     attempt = upload_attempt(1, retry=False)
     raised = _on_both(
-        lambda: writes.append(StoreMeeting(rank0, rank=0, timeout_s=30).commit(attempt, "u", {}, lambda: 7)),
-        lambda: writes.append(StoreMeeting(rank1, rank=1, timeout_s=30).commit(attempt, "u", {}, lambda: 1 / 0)))
+        lambda: writes.append(StoreMeeting(rank0, rank=0, timeout_s=30).commit(attempt, "u", "", lambda: 7)),
+        lambda: writes.append(StoreMeeting(rank1, rank=1, timeout_s=30).commit(attempt, "u", "", lambda: 1 / 0)))
     assert raised == [None, None] and sorted(writes) == [0, 7], "rank 0 wrote the commit object, rank 1 waited"
     assert not rank0.store.check([f"{rank0.prefix}/{attempt}/durable/0"]), "forgotten once both are past it"
 

@@ -29,16 +29,17 @@ def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]
     return found.committed, found.uncommitted
 
 
-def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = None,
-                           keep: Collection[int] = ()) -> list[str]:
+def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = None, keep: Collection[int] = (),
+                           listing: tuple[dict[int, str], list[str]] | None = None) -> list[str]:
     """Delete uploads without their commit object at steps below ``below`` (default: the newest committed step),
-    except the steps in ``keep`` (still queued or retried by this job); returns their URLs.
+    except the steps in ``keep`` (still queued or retried by this job); returns their URLs. ``listing``: what
+    :func:`remote_steps` just returned, when the caller has it.
 
     A newer one may be the upload another live job is writing right now; an older one is nobody's once a newer
     step is committed, except a failed upload this job still retries. A ``step-*`` entry that is no step directory
     at all is nobody's upload either and goes too.
     """
-    committed, partial = remote_steps(storage, url)
+    committed, partial = listing if listing is not None else remote_steps(storage, url)
     limit = below if below is not None else max(committed, default=None)
     doomed = [entry for entry in partial if (step := _step_of(entry)) is None
               or limit is not None and step < limit and step not in keep]

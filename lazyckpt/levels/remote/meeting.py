@@ -14,6 +14,7 @@ tensor file, so its presence means that rank's upload is complete.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from lazyckpt.format.checksum import sha256_hex
@@ -39,7 +40,7 @@ class StoreMeeting:
     def __init__(self, rendezvous: Rendezvous, *, rank: int, timeout_s: float) -> None:
         self.rendezvous, self.rank, self.timeout = rendezvous, rank, (timeout_s, TIMEOUT_OPTION)
 
-    def commit(self, attempt: str, step_url: str, known: dict[int, str], write_commit: WriteCommit) -> int:
+    def commit(self, attempt: str, step_url: str, local_dir: str, write_commit: WriteCommit) -> int:
         """After this rank's files are up: on rank 0, ``write_commit()`` once every rank announced ``attempt``
         (returns its bytes); elsewhere, wait until rank 0 did (returns 0). A rank announces only after its own
         files went up, so what the remote holds then is this save's, whatever an earlier run left there."""
@@ -60,21 +61,29 @@ class StoreMeeting:
 class RemoteMeeting:
     """Without a store: rank 0 polls the remote for the other ranks' manifests, the others for its commit."""
 
-    def __init__(self, storage: Storage, *, rank: int, world_size: int, timeout_s: float) -> None:
-        self.storage, self.rank, self.world_size, self.timeout_s = storage, rank, world_size, timeout_s
+    def __init__(self, storage: Storage, local: Storage, *, rank: int, world_size: int, timeout_s: float) -> None:
+        self.storage, self.local = storage, local
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
 
-    def commit(self, attempt: str, step_url: str, known: dict[int, str], write_commit: WriteCommit) -> int:
-        """``known``: the hash of every rank manifest in the shared local directory (without a store the ranks
-        share it). Rank 0 waits until each other rank's manifest on the remote is the very one it uploaded for this
-        save (a killed run's leftover manifest of the same step does not count), then writes the commit."""
+    def commit(self, attempt: str, step_url: str, local_dir: str, write_commit: WriteCommit) -> int:
+        """Rank 0 waits until each other rank's manifest on the remote is the very one in ``local_dir`` (without a
+        store the ranks share the directory), so a killed run's leftover manifest of the same step does not count,
+        then writes the commit; the others wait for it."""
         if self.rank != 0:
             poll_until(lambda: self.storage.stat(join(step_url, MANIFEST)) is not None, self.timeout_s,
                        f"rank 0 to commit {step_url} ({TIMEOUT_OPTION})")
             return 0
         others = range(1, self.world_size)  # its own is up already
+        known = {r: self._local_hash(local_dir, r) for r in others}
         poll_until(lambda: all(self._uploaded(step_url, r, known.get(r)) for r in others), self.timeout_s,
                    f"the other {self.world_size - 1} rank(s) to upload their files to {step_url} ({TIMEOUT_OPTION})")
         return write_commit()
+
+    def _local_hash(self, local_dir: str, rank: int) -> str | None:
+        path = os.path.join(local_dir, rank_manifest(rank))
+        if self.local.stat(path) is None:
+            return None
+        return sha256_hex(self.local.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES))
 
     def _uploaded(self, step_url: str, rank: int, sha: str | None) -> bool:
         name = join(step_url, rank_manifest(rank))

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import RemoteUnreachableError
-from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
@@ -105,7 +104,7 @@ class RemoteLevel:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.storage = FsspecStorage(url, storage_options)
         self._probe()
-        self.meeting: StoreMeeting | RemoteMeeting = RemoteMeeting(self.storage, rank=rank, world_size=world_size,
+        self.meeting: StoreMeeting | RemoteMeeting = RemoteMeeting(self.storage, local, rank=rank, world_size=world_size,
                                                                    timeout_s=timeout_s)
         """Where the ranks' uploads of a step meet before rank 0 commits it (see :meth:`meet_through`)."""
         self._uploads: dict[int, RemoteUpload] = {}
@@ -185,12 +184,6 @@ class RemoteLevel:
         upload = self._uploads.get(step)
         return upload is not None and not upload.done.is_set()
 
-    def deliver_error(self) -> None:
-        """Raise the first upload failure not reported yet (the original exception, with a note)."""
-        error = self.take_error()
-        if error is not None:
-            raise error
-
     def take_error(self) -> BaseException | None:
         """The first upload failure not reported yet, now reported (the later ones are logged)."""
         with self._lock:
@@ -255,22 +248,11 @@ class RemoteLevel:
         try:
             nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name))
                          for name in self._own_files(local_dir))
-            known = self._local_manifest_hashes(local_dir)
-            return nbytes + self.meeting.commit(attempt, upload.url, known,
+            return nbytes + self.meeting.commit(attempt, upload.url, local_dir,
                                                 lambda: self._write_commit(upload.url, local_dir))
         except BaseException as e:
             self.meeting.give_up(attempt, e)
             raise
-
-    def _local_manifest_hashes(self, local_dir: str) -> dict[int, str]:
-        """The SHA-256 of each rank manifest in this rank's local copy of the step (all of them in a shared
-        directory, this rank's own with one directory per node)."""
-        hashes = {}
-        for rank in range(self.world_size):
-            path = os.path.join(local_dir, rank_manifest(rank))
-            if self.local.stat(path) is not None:
-                hashes[rank] = sha256_hex(self.local.read_bytes(path, max_bytes=MAX_MANIFEST_BYTES))
-        return hashes
 
     def _write_commit(self, step_url: str, local_dir: str) -> int:
         """Rank 0, once every rank's upload is this save's (see the meetings): the commit object, after checking
@@ -322,11 +304,12 @@ class RemoteLevel:
 
     def _prune(self, just_committed: int) -> None:
         try:
-            committed, _ = remote_steps(self.storage, self.url)
+            committed, partial = remote_steps(self.storage, self.url)
             for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
                 remove_remote_step(self.storage, committed[step])
             with self._lock:  # a failed upload retried after this commit is still this job's (every rank queues it)
                 busy = {u.step for u in self._uploads.values()} | {u.step for u, _ in self._to_retry}
-            remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy)
+            remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy,
+                                   listing=(committed, partial))
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)
