@@ -84,6 +84,10 @@ class CheckpointConfig:
     """Default of ``verify`` for loads made through this checkpointer."""
     commit_timeout_s: float = 600.0
     """How long rank 0 waits for the other ranks' files before failing the checkpoint."""
+    peer_timeout_s: float = 10.0
+    """With a store: a rank waiting for a peer gives the checkpoint up once that peer's heartbeat stood still this
+    long (it died or hangs), instead of waiting ``commit_timeout_s``. A live peer beats from a thread of its own, so
+    a slow peer (a long step) is never taken as dead."""
     min_free_bytes: int = 0
     """Extra free space to keep on the file system beyond the checkpoint's own bytes."""
     fsync: bool = True
@@ -130,8 +134,9 @@ class CheckpointConfig:
                              "checkpoint would never commit; use on_busy='wait' with several ranks")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size!r})")
-        if self.commit_timeout_s <= 0:
-            raise ValueError(f"commit_timeout_s={self.commit_timeout_s!r} must be positive")
+        for name in ("commit_timeout_s", "peer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive number of seconds")
         if self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes={self.min_free_bytes!r} must be >= 0")
         _check_remote_options(self)

@@ -90,6 +90,8 @@ class LazyCheckpointer:
                 self.remote.meet_through(self._rendezvous)
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
+            if getattr(self, "_rendezvous", None) is not None:
+                self._rendezvous.close()
             raise
         self._attempts = Attempts()
         self._backend: CopyBackend | None = backend
@@ -270,6 +272,8 @@ class LazyCheckpointer:
                 self._copier.stop()
             if self._memory is not None:
                 self._memory.clear()
+            if self._rendezvous is not None:
+                self._rendezvous.close()  # after the drain: a peer still waiting for this rank gives up now
             self._lock.release()
         if (error := self._earlier_failure()) is not None:
             raise error

@@ -37,7 +37,8 @@ def meet_ranks(dirpath: str, storage: Storage, config: CheckpointConfig, store: 
             remove_partials(dirpath, storage)
         return None
     return Rendezvous(store, rank=config.rank, world_size=config.world_size, dirpath=dirpath, storage=storage,
-                      timeout_s=config.commit_timeout_s, clear_dir=lambda: remove_partials(dirpath, storage))
+                      timeout_s=config.commit_timeout_s,
+                      peer_timeout_s=config.peer_timeout_s, clear_dir=lambda: remove_partials(dirpath, storage))
 
 
 class CommittedSteps:

@@ -39,6 +39,7 @@ class EngineOptions(TypedDict, total=False):
 
     verify_on_load: bool
     commit_timeout_s: float
+    peer_timeout_s: float
     min_free_bytes: int
     fsync: bool
     max_in_flight: int

@@ -10,7 +10,13 @@ length of the run; a store that cannot delete keys keeps them.
 Directories: each rank names its own ``dirpath`` (node-local disks are fine). At construction the ranks find out
 which of them share a directory (a marker file each, listed after everyone wrote theirs); the lowest rank of a
 directory is its *leader*: it clears crash leftovers there, writes the global manifest and renames the step
-directory into place once every rank of the job has published that its files are durable.
+directory into place once every rank of the job has published that its files are durable. With several
+directories (one per node) the leaders commit together: each writes its manifest, they meet (``prepared``), each
+renames, they meet again (``renamed``), and a leader that hears of a failure at either meeting undoes its own
+rename, so a step is committed in every directory or in none, and every rank hears why.
+
+Liveness: every rank beats through the store (:mod:`~lazyckpt.ranks.liveness`), so a wait for a rank that died ends
+after ``peer_timeout_s``, not ``commit_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lazyckpt.errors import CommitAbandoned
+from lazyckpt.ranks.liveness import Heartbeat, PeerWatch
 from lazyckpt.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -61,8 +68,11 @@ class Rendezvous:
     """One checkpointer's meeting point with its peer ranks (see the module docstring)."""
 
     def __init__(self, store: Any, *, rank: int, world_size: int, dirpath: str, storage: Storage,
-                 timeout_s: float, clear_dir: Callable[[], None]) -> None:
+                 timeout_s: float, clear_dir: Callable[[], None], peer_timeout_s: float = 10.0) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.peer_timeout_s = peer_timeout_s
+        self._watching, self._beats = False, {}
+        """Peers' beats are read only once every rank beats (after construction: a missing key would block)."""
         self._can_delete = True
         self._given_up: dict[Attempt, None] = {}
         """The attempts this rank abandoned, newest last (a second abandon could re-create deleted keys)."""
@@ -74,10 +84,23 @@ class Rendezvous:
         if rank == 0:
             store.set(run_key, uuid.uuid4().hex)
         self.prefix = f"lazyckpt/{self._get(run_key).decode()}"
-        self.leader = self._find_leader(dirpath, storage)
-        if self.leader == rank:
-            clear_dir()
-        self._meet("ready")
+        self._beats = {r: f"{self.prefix}/beat/{r}" for r in range(world_size)}
+        self._heartbeat = Heartbeat(store, self._beats[rank], period_s=peer_timeout_s / 4)
+        try:
+            self.leader = self._find_leader(dirpath, storage)
+            if self.leader == rank:
+                clear_dir()
+            leaders = self._meet("ready", value=str(self.leader).encode())
+        except BaseException:
+            self._heartbeat.stop()
+            raise
+        self.leaders = sorted({int(v) for v in leaders})
+        """The leader of every directory of the job (one per node with node-local directories)."""
+        self._watching = True
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat; peers still waiting for it give up at once."""
+        self._heartbeat.stop()
 
     # --- construction: who shares my directory -------------------------------------------------------------
 
@@ -92,10 +115,13 @@ class Rendezvous:
         storage.remove_file(marker)
         return min(sharing)
 
-    def _meet(self, name: str) -> None:
-        """Every rank arrives at ``name`` before any leaves it (training thread, construction only)."""
-        self.store.set(f"{self.prefix}/{name}/{self.rank}", b"1")
-        self._wait([f"{self.prefix}/{name}/{r}" for r in range(self.world_size)], f"every rank to reach {name!r}")
+    def _meet(self, name: str, value: bytes = b"1") -> list[bytes]:
+        """Every rank arrives at ``name`` before any leaves it (training thread, construction only); returns what
+        each rank published there."""
+        keys = [f"{self.prefix}/{name}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], value)
+        self._wait(keys, f"every rank to reach {name!r}")
+        return self.store.multi_get(keys)
 
     # --- save: the ranks' states must agree ----------------------------------------------------------------
 
@@ -110,7 +136,7 @@ class Rendezvous:
         if signature == self._agreed:
             return
         keys = self._plan_keys(attempt)
-        self._wait(keys, "every rank to call save() for the same step", attempt=attempt)
+        self._wait(keys, "every rank to call save() for the same step", attempt=attempt, owners=range(self.world_size))
         error = self._mismatch(signature, self.store.multi_get(keys))
         if error is not None:
             raise error
@@ -152,8 +178,21 @@ class Rendezvous:
     def wait_everyone(self, attempt: Attempt, *, timeout: Timeout | None = None) -> list[str]:
         """Block until every rank announced ``attempt`` durable; returns their keys."""
         keys = [f"{self.prefix}/{attempt}/durable/{r}" for r in range(self.world_size)]
-        self._wait(keys, "every rank to make its files durable", attempt=attempt, timeout=timeout)
+        self._wait(keys, "every rank to make its files durable", attempt=attempt, timeout=timeout,
+                   owners=range(self.world_size))
         return keys
+
+    @property
+    def commits_together(self) -> bool:
+        """Several directories: their leaders commit each step in all of them or in none (:meth:`meet_leaders`)."""
+        return len(self.leaders) > 1
+
+    def meet_leaders(self, attempt: Attempt, phase: str) -> None:
+        """A leader: publish that ``attempt`` reached ``phase`` here and wait until every directory's leader has
+        (raises :class:`~lazyckpt.CommitAbandoned` once one failed)."""
+        self.store.set(f"{self.prefix}/{attempt}/{phase}/{self.rank}", b"1")
+        self._wait([f"{self.prefix}/{attempt}/{phase}/{r}" for r in self.leaders],
+                   f"every directory's leader to reach {phase!r}", attempt=attempt, owners=self.leaders)
 
     def committed(self, attempt: Attempt) -> None:
         self.store.set(f"{self.prefix}/{attempt}/committed/{self.rank}", b"1")
@@ -163,7 +202,7 @@ class Rendezvous:
         """Block until rank ``by`` (default: this directory's leader) committed ``attempt``."""
         by = self.leader if by is None else by
         self._wait([f"{self.prefix}/{attempt}/committed/{by}"], f"rank {by} to commit", attempt=attempt,
-                   timeout=timeout)
+                   timeout=timeout, owners=[by])
         self._finished(attempt)
 
     def abandon(self, attempt: Attempt, reason: str) -> None:
@@ -191,7 +230,8 @@ class Rendezvous:
 
     def _keys_of(self, attempt: Attempt) -> list[str]:
         base = f"{self.prefix}/{attempt}"
-        per_rank = [f"{base}/{kind}/{r}" for kind in ("plan", "durable", "committed") for r in range(self.world_size)]
+        per_rank = [f"{base}/{kind}/{r}" for kind in ("plan", "durable", "prepared", "renamed", "committed")
+                    for r in range(self.world_size)]
         # The done marks last: while one is left, a rank that checks them never sees all of them.
         return [*per_rank, f"{base}/failed", *(f"{base}/done/{r}" for r in range(self.world_size))]
 
@@ -205,16 +245,24 @@ class Rendezvous:
                 return
 
     def _wait(self, keys: list[str], what: str, *, attempt: Attempt | None = None,
-              timeout: Timeout | None = None) -> None:
-        # Polled with a cap, not store.wait(): a failure key must end the wait as soon as it appears.
+              timeout: Timeout | None = None, owners: Iterable[int] = ()) -> None:
+        """Block until every one of ``keys`` exists; ``owners``: the rank that sets each key, watched for liveness.
+        Polled with a cap, not store.wait(): a failure key must end the wait as soon as it appears."""
         failed = None if attempt is None else f"{self.prefix}/{attempt}/failed"
         seconds, option = timeout if timeout is not None else (self.timeout_s, "commit_timeout_s")
+        key_of = dict(zip(owners, keys))
+        watch = PeerWatch(self.store, {r: self._beats[r] for r in key_of if r != self.rank},
+                          self.peer_timeout_s) if self._watching else None
 
         def arrived() -> bool:
             if self.store.check(keys):
                 return True
             if failed is not None and self.store.check([failed]):
                 raise CommitAbandoned(f"lazyckpt: {self.store.get(failed).decode()}; no rank commits this attempt")
+            lost = None if watch is None else watch.lost(lambda r: not self.store.check([key_of[r]]))
+            if lost is not None:
+                raise CommitAbandoned(f"lazyckpt: {lost} while this rank waited for {what}; no rank commits this "
+                                      "attempt")
             return False
 
         poll_until(arrived, seconds, f"{what} ({option}); a rank failed or died, so no rank commits this checkpoint",

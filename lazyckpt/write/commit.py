@@ -21,6 +21,9 @@ Committing is: write ``manifest.json`` atomically, rename ``step-N.partial`` to 
 directory. The rename is the commit point: a crash before it leaves only a partial directory that readers ignore.
 No collectives are used (this runs off the training thread).
 
+With one directory per node, every directory has a leader, and the leaders commit together
+(:func:`publish_everywhere`): a step is committed in every directory or in none.
+
 Failure rule (docs/design.md): a commit that raises leaves nothing visible. A failure of the rename itself or of
 the directory fsync after it rolls the rename back, so a checkpoint whose ``wait()`` fails is never ``latest()``.
 If even the roll-back fails, the directory stays visible and the commit is reported as having succeeded, with a
@@ -75,9 +78,27 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     check_global_tensors(index, job.world_size, f"the global view of step {job.step}")
     top = top_manifest_doc(step=job.step, world_size=job.world_size, library_version=__version__, tensors=index)
     storage.write_atomic(os.path.join(job.partial_dir, MANIFEST), encode_manifest(top), sync=sync)
-    publish(job, storage, sync=sync)
+    if rendezvous is not None and rendezvous.commits_together:
+        publish_everywhere(job, storage, rendezvous, sync=sync)
+    else:
+        publish(job, storage, sync=sync)
     if rendezvous is not None:
         rendezvous.committed(job.attempt)
+
+
+def publish_everywhere(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous, *, sync: bool) -> None:
+    """Several directories (one per node): the step is committed in all of them or in none. The leaders rename
+    only once every one wrote its manifest, and each undoes its own rename if another one's failed; the ranks
+    waiting for their leader hear of it through the attempt's failure mark."""
+    rendezvous.meet_leaders(job.attempt, "prepared")
+    publish(job, storage, sync=sync)
+    try:
+        rendezvous.meet_leaders(job.attempt, "renamed")
+    except BaseException as error:
+        if not _roll_back(job, storage, error):
+            logger.error("lazyckpt: step %d failed in another directory but stays committed in %s (undoing the "
+                         "rename failed): the nodes' latest() disagree; remove it", job.step, job.final_dir)
+        raise
 
 
 def publish(job: CheckpointJob, storage: Storage, *, sync: bool) -> None:
