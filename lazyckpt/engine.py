@@ -227,12 +227,19 @@ class LazyCheckpointer:
                 Tensors without such a target come back fresh.
             before: only a snapshot of an earlier step is read (None is returned otherwise, ``into`` untouched).
 
+        With ``into``, a checkpoint still being copied from those live tensors is first staged (as
+        :meth:`wait_staged` would), so it keeps the values it was requested with.
+
         Raises:
             CheckpointCorruptError: the host copy no longer matches its checksums (tensors of ``into`` may
                 already hold part of the snapshot: load another state into them).
         """
         self._check_open("memory_snapshot")
-        return None if self._memory is None else self._memory.read(into, before)
+        if self._memory is None:
+            return None
+        if into is not None and self._job is not None:
+            self._ends.barrier(self._job)  # its lazy copy reads the tensors about to be overwritten
+        return self._memory.read(into, before)
 
     def discard(self, step: int) -> bool:
         """Make sure no checkpoint of ``step`` survives: abort it when in flight, else remove it.

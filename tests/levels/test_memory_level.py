@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -102,16 +103,29 @@ def test_a_snapshot_missing_a_staged_piece_is_refused_not_returned(tmp_path, lar
             ckpt.memory_snapshot()
 
 
-def test_discarding_the_in_flight_checkpoint_leaves_neither_files_nor_snapshot(tmp_path, large):
-    model, opt = large
+@pytest.fixture
+def gated():
+    """A copy backend whose gate is open until a test holds a copy at it (:func:`save_held_at_the_gate`)."""
     backend = GatedBackend()
     backend.gate.set()
+    return backend
+
+
+def save_held_at_the_gate(ckpt, backend, model, opt, n: int):
+    """Request step ``n`` and return its handle once its lazy copy has started and waits at the backend's gate."""
+    backend.gate.clear()
+    backend.entered.clear()
+    pending = ckpt.save(big_state(model, opt, n), step=n, optimizers=[opt])
+    backend.entered.wait()
+    return pending
+
+
+def test_discarding_the_in_flight_checkpoint_leaves_neither_files_nor_snapshot(tmp_path, large, gated):
+    model, opt = large
+    backend = gated
     with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True, backend=backend) as ckpt:
         save_step(ckpt, model, opt, 1)
-        backend.gate.clear()
-        backend.entered.clear()
-        pending = ckpt.save(big_state(model, opt, 2), step=2, optimizers=[opt])
-        backend.entered.wait()
+        pending = save_held_at_the_gate(ckpt, backend, model, opt, 2)
         backend.gate.set()
         assert ckpt.discard(2)
         assert pending.done() and isinstance(pending.error, lazyckpt.CheckpointDiscardedError)
@@ -209,3 +223,20 @@ def test_a_snapshot_not_before_the_given_step_is_not_read(tmp_path, large):
         assert ckpt.memory_snapshot(into=live, before=4) is None
         assert_tree_equal(live, untouched)
         assert ckpt.memory_snapshot(before=5)[0] == 4
+
+
+def test_a_snapshot_read_into_live_tensors_waits_for_the_copy_still_reading_them(tmp_path, large, gated):
+    model, opt, backend = *large, gated
+    with lazyckpt.LazyCheckpointer(tmp_path, keep_in_memory=True, backend=backend) as ckpt:
+        save_step(ckpt, model, opt, 1)
+        step(model, opt, seed=5)
+        requested = clone_tree(big_state(model, opt, 2))
+        pending = save_held_at_the_gate(ckpt, backend, model, opt, 2)
+        done = threading.Event()
+        reader = threading.Thread(target=lambda: (ckpt.memory_snapshot(into=big_state(model, opt, 1)), done.set()))
+        reader.start()
+        done.wait(timeout=0.5)  # without the wait inside memory_snapshot, it has overwritten the live tensors now
+        backend.gate.set()
+        reader.join()
+        pending.wait()
+    assert_tree_equal(lazyckpt.load(lazyckpt.latest(tmp_path)), requested)
