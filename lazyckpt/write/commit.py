@@ -32,6 +32,7 @@ warning: ``wait()`` and ``latest()`` never disagree.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -39,9 +40,10 @@ from collections.abc import Callable
 
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.errors import CheckpointDiscardedError
+from lazyckpt.errors import CheckpointDiscardedError, DirectoryLockedError
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest
-from lazyckpt.format.manifest import encode_manifest, global_index, rank_manifest_doc, tensor_summary, top_manifest_doc
+from lazyckpt.format.manifest import (MAX_MANIFEST_BYTES, encode_manifest, global_index, rank_manifest_doc,
+                                      tensor_summary, top_manifest_doc)
 from lazyckpt.format.schema import check_global_tensors
 from lazyckpt.ranks.rendezvous import Rendezvous, leader_of, poll_until
 from lazyckpt.storage import Storage
@@ -60,7 +62,8 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
                             checksums=job.checksums, header=job.header, boxes=job.boxes)
-    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), encode_manifest(doc), sync=sync)
+    mine = encode_manifest(doc)
+    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), mine, sync=sync)
     summary = tensor_summary(doc["tensors"])
     if rendezvous is not None:
         everyone = rendezvous.gather(job.attempt, summary)
@@ -69,7 +72,7 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
             rendezvous.wait_committed(job.attempt)
             return
     elif job.rank != 0:
-        wait_for_rank0_commit(job, storage, timeout_s)
+        wait_for_rank0_commit(job, storage, timeout_s, mine)
         return
     else:
         wait_for_other_ranks(job, storage, timeout_s)
@@ -133,9 +136,25 @@ def wait_for_other_ranks(job: CheckpointJob, storage: Storage, timeout_s: float)
               f"the other {job.world_size - 1} rank(s) to make their files in {job.partial_dir} durable")
 
 
-def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
-    """Ranks other than 0: block until rank 0 renamed the directory to its final name."""
+def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float, mine: bytes) -> None:
+    """Ranks other than 0: block until rank 0 renamed the directory to its final name, then check that the step
+    committed there is this job's: a process calling itself rank 1 of a directory that another job's rank 0 writes
+    must not report that job's checkpoints as its own."""
     poll_until(lambda: storage.stat(job.final_dir) is not None, timeout_s, f"rank 0 to commit {job.final_dir}")
+    top = os.path.join(job.final_dir, MANIFEST)
+    try:
+        world_size = json.loads(storage.read_bytes(top, max_bytes=MAX_MANIFEST_BYTES)).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        world_size = None  # unreadable or not a manifest: not this job's commit either
+    mine_path = os.path.join(job.final_dir, rank_manifest(job.rank))
+    info = storage.stat(mine_path)
+    if world_size != job.world_size or info is None or info.size != len(mine) or \
+            storage.read_bytes(mine_path, max_bytes=len(mine)) != mine:
+        raise DirectoryLockedError(
+            f"step {job.step} in {job.dirpath} was committed by another job (its {MANIFEST} names "
+            f"world_size={world_size!r}, this rank has world_size={job.world_size}), not with this rank's files: "
+            "another job's rank 0 writes this directory. Give each job its own dirpath, or start every rank of one "
+            "job with the same world_size")
 
 
 JobHook = Callable[[CheckpointJob], None]

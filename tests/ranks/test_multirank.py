@@ -51,3 +51,15 @@ def test_a_rank_that_gave_up_leaves_no_manifest_that_would_let_rank_0_commit_wit
     assert lazyckpt.latest(tmp_path) is None
     rank0.close()
     rank1.close()
+
+
+def test_a_process_calling_itself_rank_1_of_another_jobs_directory_is_refused_at_its_first_commit(tmp_path):
+    # A live 1-rank job writes the directory; a second job's process says it is rank 1 of 2 there. Rank 0 of the
+    # first job commits its own step 5; the stranger must not report that step as its checkpoint.
+    with lazyckpt.LazyCheckpointer(tmp_path) as owner, \
+            lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2, commit_timeout_s=30.0) as stranger:
+        theirs = stranger.save({"w": torch.zeros(3)}, step=5)
+        owner.save({"w": torch.ones(3)}, step=5).wait()
+        with pytest.raises(lazyckpt.DirectoryLockedError, match="committed by another job"):
+            theirs.wait()
+    assert lazyckpt.load(lazyckpt.latest(tmp_path))["w"].tolist() == [1.0, 1.0, 1.0]
