@@ -217,7 +217,7 @@ class LazyCheckpointer:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
 
         Needs ``keep_in_memory=True``. The bytes are copied out of the staging pool and checked against their
-        checksums; nothing else waits (the checkpoint being written goes on). Load the state with the usual
+        checksums; the checkpoint being written goes on (with ``into``, one still being copied is staged first). Load the state with the usual
         ``load_state_dict`` calls.
 
         Args:

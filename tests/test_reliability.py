@@ -6,6 +6,7 @@ import pytest
 
 import lazyckpt
 from helpers.soak import soak
+from helpers.rank_kills import run as kill_ranks
 from helpers.reliability import corrupt_every_file, fuzz, kill_at_random, make_template
 
 
@@ -24,6 +25,11 @@ def test_a_changed_byte_in_any_file_of_a_checkpoint_is_detected_by_load_and_veri
 def test_sigkill_at_random_points_always_leaves_a_loadable_latest_checkpoint(tmp_path):
     counts = kill_at_random(str(tmp_path), kills=4, seed=1)
     assert counts["kills"] == 4 and counts["latest_step"] >= 1, counts
+
+
+def test_sigkill_of_one_rank_at_random_moments_never_hangs_the_other_nor_breaks_a_committed_step(tmp_path):
+    result = kill_ranks(3, seed=1, peer_s=1.0, root=str(tmp_path))  # raises on a slow call (a hang) or a broken committed step
+    assert result["committed_steps_checked"] > 0
 
 
 def test_nothing_accumulates_per_checkpoint_over_a_soak(tmp_path):

@@ -12,8 +12,9 @@ which of them share a directory (a marker file each, listed after everyone wrote
 directory is its *leader*: it clears crash leftovers there, writes the global manifest and renames the step
 directory into place once every rank of the job has published that its files are durable. With several
 directories (one per node) the leaders commit together: each writes its manifest, they meet (``prepared``), each
-renames, they meet again (``renamed``), and a leader that hears of a failure at either meeting undoes its own
-rename, so a step is committed in every directory or in none, and every rank hears why.
+renames, they meet again (``renamed``), then one atomic decision (:meth:`Rendezvous.decide`) says whether the step
+stands: a leader that gave up (a failure, a lost peer, its timeout) proposes ``abort`` and undoes its rename unless
+``commit`` was set first. So a step is committed in every directory or in none, and every rank hears why.
 
 Liveness: every rank beats through the store (:mod:`~lazyckpt.ranks.liveness`), so a wait for a rank that died ends
 after ``peer_timeout_s``, not ``commit_timeout_s``.
@@ -71,8 +72,10 @@ class Rendezvous:
                  timeout_s: float, clear_dir: Callable[[], None], peer_timeout_s: float = 10.0) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.peer_timeout_s = peer_timeout_s
-        self._watching, self._beats = False, {}
-        """Peers' beats are read only once every rank beats (after construction: a missing key would block)."""
+        self._everyone_beats, self._beats = False, {}
+        """Peers' beats are read only once every rank beats (before, a read of a missing key would block)."""
+        self._lost: dict[int, bytes] = {}
+        """Ranks found lost, with their beat then: later waits for them give up at once (PeerWatch)."""
         self._can_delete = True
         self._given_up: dict[Attempt, None] = {}
         """The attempts this rank abandoned, newest last (a second abandon could re-create deleted keys)."""
@@ -86,17 +89,19 @@ class Rendezvous:
         self.prefix = f"lazyckpt/{self._get(run_key).decode()}"
         self._beats = {r: f"{self.prefix}/beat/{r}" for r in range(world_size)}
         self._heartbeat = Heartbeat(store, self._beats[rank], period_s=peer_timeout_s / 4)
+        store.add(f"{self.prefix}/beating", 1)
         try:
             self.leader = self._find_leader(dirpath, storage)
             if self.leader == rank:
                 clear_dir()
-            leaders = self._meet("ready", value=str(self.leader).encode())
+            ready = [v.decode().split() for v in self._meet("ready", f"{self.leader} {peer_timeout_s!r}".encode())]
         except BaseException:
             self._heartbeat.stop()
             raise
-        self.leaders = sorted({int(v) for v in leaders})
+        self.leaders = sorted({int(leader) for leader, _ in ready})
         """The leader of every directory of the job (one per node with node-local directories)."""
-        self._watching = True
+        self.peer_timeout_s = max(float(timeout) for _, timeout in ready)  # no rank judged by a shorter one than
+        # its own beat period was set for
 
     def close(self) -> None:
         """Stop this rank's heartbeat; peers still waiting for it give up at once."""
@@ -115,13 +120,13 @@ class Rendezvous:
         storage.remove_file(marker)
         return min(sharing)
 
-    def _meet(self, name: str, value: bytes = b"1") -> list[bytes]:
-        """Every rank arrives at ``name`` before any leaves it (training thread, construction only); returns what
-        each rank published there."""
+    def _meet(self, name: str, value: bytes | None = None) -> list[bytes]:
+        """Every rank arrives at ``name`` before any leaves it (training thread, construction only); with a
+        ``value``, returns what each rank published there."""
         keys = [f"{self.prefix}/{name}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], value)
-        self._wait(keys, f"every rank to reach {name!r}")
-        return self.store.multi_get(keys)
+        self.store.set(keys[self.rank], b"1" if value is None else value)
+        self._wait(keys, f"every rank to reach {name!r}", owners=range(self.world_size))
+        return [] if value is None else self.store.multi_get(keys)
 
     # --- save: the ranks' states must agree ----------------------------------------------------------------
 
@@ -182,6 +187,12 @@ class Rendezvous:
                    owners=range(self.world_size))
         return keys
 
+    def decide(self, attempt: Attempt, outcome: str) -> str:
+        """The leaders' one decision on ``attempt`` (``"commit"`` or ``"abort"``): the first leader to propose one
+        sets it, atomically, and every leader acts on what is set. So no leader gives a step up that another one has
+        already found renamed everywhere, nor commits one another one rolled back."""
+        return self.store.compare_set(f"{self.prefix}/{attempt}/outcome", "", outcome).decode()
+
     @property
     def commits_together(self) -> bool:
         """Several directories: their leaders commit each step in all of them or in none (:meth:`meet_leaders`)."""
@@ -232,6 +243,7 @@ class Rendezvous:
         base = f"{self.prefix}/{attempt}"
         per_rank = [f"{base}/{kind}/{r}" for kind in ("plan", "durable", "prepared", "renamed", "committed")
                     for r in range(self.world_size)]
+        per_rank.append(f"{base}/outcome")
         # The done marks last: while one is left, a rank that checks them never sees all of them.
         return [*per_rank, f"{base}/failed", *(f"{base}/done/{r}" for r in range(self.world_size))]
 
@@ -251,15 +263,15 @@ class Rendezvous:
         failed = None if attempt is None else f"{self.prefix}/{attempt}/failed"
         seconds, option = timeout if timeout is not None else (self.timeout_s, "commit_timeout_s")
         key_of = dict(zip(owners, keys))
-        watch = PeerWatch(self.store, {r: self._beats[r] for r in key_of if r != self.rank},
-                          self.peer_timeout_s) if self._watching else None
+        watch = PeerWatch(self.store, {r: self._beats[r] for r in key_of if r != self.rank}, self.peer_timeout_s,
+                          everyone_beats=self._all_beating, known_lost=self._lost)
 
         def arrived() -> bool:
             if self.store.check(keys):
                 return True
             if failed is not None and self.store.check([failed]):
                 raise CommitAbandoned(f"lazyckpt: {self.store.get(failed).decode()}; no rank commits this attempt")
-            lost = None if watch is None else watch.lost(lambda r: not self.store.check([key_of[r]]))
+            lost = watch.lost(lambda r: not self.store.check([key_of[r]]))
             if lost is not None:
                 raise CommitAbandoned(f"lazyckpt: {lost} while this rank waited for {what}; no rank commits this "
                                       "attempt")
@@ -267,6 +279,12 @@ class Rendezvous:
 
         poll_until(arrived, seconds, f"{what} ({option}); a rank failed or died, so no rank commits this checkpoint",
                    first_delay=0.001, max_delay=0.05)
+
+    def _all_beating(self) -> bool:
+        """Every rank of the job has started its heartbeat (then stays so: a closed rank's key says it closed)."""
+        if not self._everyone_beats:
+            self._everyone_beats = self.store.add(f"{self.prefix}/beating", 0) >= self.world_size
+        return self._everyone_beats
 
     def _get(self, key: str) -> bytes:
         self._wait([key], f"rank 0 to create the checkpointer ({key})")

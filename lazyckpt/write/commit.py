@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from lazyckpt._version import __version__
 from lazyckpt.config import CheckpointConfig
-from lazyckpt.errors import CheckpointDiscardedError, DirectoryLockedError
+from lazyckpt.errors import CheckpointDiscardedError, CommitAbandoned, DirectoryLockedError
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest
 from lazyckpt.format.manifest import (MAX_MANIFEST_BYTES, encode_manifest, global_index, rank_manifest_doc,
                                       tensor_summary, top_manifest_doc)
@@ -91,17 +91,37 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
 
 def publish_everywhere(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous, *, sync: bool) -> None:
     """Several directories (one per node): the step is committed in all of them or in none. The leaders rename
-    only once every one wrote its manifest, and each undoes its own rename if another one's failed; the ranks
-    waiting for their leader hear of it through the attempt's failure mark."""
+    only once every one wrote its manifest; once all renamed, one atomic decision says whether the step stands, and
+    a leader that gave up (``abort`` set first) undoes its own rename; the ranks waiting for their leader hear of
+    it through the attempt's failure mark."""
     rendezvous.meet_leaders(job.attempt, "prepared")
     publish(job, storage, sync=sync)
     try:
         rendezvous.meet_leaders(job.attempt, "renamed")
+        stands = rendezvous.decide(job.attempt, "commit") == "commit"
     except BaseException as error:
-        if not _roll_back(job, storage, error):
-            logger.error("lazyckpt: step %d failed in another directory but stays committed in %s (undoing the "
-                         "rename failed): the nodes' latest() disagree; remove it", job.step, job.final_dir)
+        if _decided_commit(rendezvous, job):
+            return  # every leader had renamed and the step was declared committed: it stands here too
+        _undo_rename(job, storage, error)
         raise
+    if not stands:
+        error = CommitAbandoned(f"lazyckpt: another directory's leader gave step {job.step} up; no rank commits it")
+        _undo_rename(job, storage, error)
+        raise error
+
+
+def _decided_commit(rendezvous: Rendezvous, job: CheckpointJob) -> bool:
+    """Propose ``abort``; True when ``commit`` had been decided first (False too when the store is gone)."""
+    try:
+        return rendezvous.decide(job.attempt, "abort") == "commit"
+    except Exception:  # noqa: BLE001 - no decision can be read: give the step up here
+        return False
+
+
+def _undo_rename(job: CheckpointJob, storage: Storage, error: BaseException) -> None:
+    if not _roll_back(job, storage, error):
+        logger.error("lazyckpt: step %d was given up but stays committed in %s (undoing the rename failed): the "
+                     "directories' latest() disagree; remove it", job.step, job.final_dir)
 
 
 def publish(job: CheckpointJob, storage: Storage, *, sync: bool) -> None:
@@ -120,13 +140,15 @@ def _roll_back(job: CheckpointJob, storage: Storage, error: BaseException) -> bo
     """Undo a rename whose durability is unknown; False when the checkpoint had to stay visible."""
     try:
         storage.rename(job.final_dir, job.partial_dir, sync=False)
-        storage.sync_dir(job.dirpath)
-        return True
     except Exception as again:  # noqa: BLE001 - the first error is the one to report
         logger.warning("lazyckpt: committing %s failed after the rename (%r) and undoing the rename failed too "
-                       "(%r); the checkpoint stays committed but may not survive a power loss",
-                       job.final_dir, error, again)
+                       "(%r); the checkpoint stays visible", job.final_dir, error, again)
         return False
+    try:
+        storage.sync_dir(job.dirpath)
+    except Exception as again:  # noqa: BLE001 - renamed back: a power loss could at worst bring the name back
+        logger.warning("lazyckpt: undoing the rename of %s is not durable: %r", job.final_dir, again)
+    return True
 
 
 def wait_for_other_ranks(job: CheckpointJob, storage: Storage, timeout_s: float) -> None:
@@ -150,6 +172,10 @@ def wait_for_rank0_commit(job: CheckpointJob, storage: Storage, timeout_s: float
     info = storage.stat(mine_path)
     if world_size != job.world_size or info is None or info.size != len(mine) or \
             storage.read_bytes(mine_path, max_bytes=len(mine)) != mine:
+        if isinstance(world_size, int) and world_size != job.world_size:  # that job names none of this rank's files
+            for path in (mine_path, os.path.join(job.final_dir, rank_file(job.rank, job.world_size))):
+                if storage.stat(path) is not None:
+                    storage.remove_file(path)
         raise DirectoryLockedError(
             f"step {job.step} in {job.dirpath} was committed by another job (its {MANIFEST} names "
             f"world_size={world_size!r}, this rank has world_size={job.world_size}), not with this rank's files: "

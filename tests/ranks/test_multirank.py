@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import lazyckpt
 from conftest import GatedBackend
+from lazyckpt.storage import LocalStorage
 
 
 def test_commit_waits_for_the_slowest_rank_and_each_rank_loads_its_own_state(tmp_path):
@@ -53,13 +55,28 @@ def test_a_rank_that_gave_up_leaves_no_manifest_that_would_let_rank_0_commit_wit
     rank1.close()
 
 
+class _SaysWhenItsManifestIsWritten(LocalStorage):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = threading.Event()
+
+    def write_atomic(self, path, data, *, sync=True):
+        super().write_atomic(path, data, sync=sync)
+        if path.endswith("rank-00001.json"):
+            self.written.set()
+
+
 def test_a_process_calling_itself_rank_1_of_another_jobs_directory_is_refused_at_its_first_commit(tmp_path):
     # A live 1-rank job writes the directory; a second job's process says it is rank 1 of 2 there. Rank 0 of the
     # first job commits its own step 5; the stranger must not report that step as its checkpoint.
-    with lazyckpt.LazyCheckpointer(tmp_path) as owner, \
-            lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2, commit_timeout_s=30.0) as stranger:
+    storage = _SaysWhenItsManifestIsWritten()
+    with lazyckpt.LazyCheckpointer(tmp_path) as owner, lazyckpt.LazyCheckpointer(
+            tmp_path, rank=1, world_size=2, commit_timeout_s=30.0, storage=storage) as stranger:
         theirs = stranger.save({"w": torch.zeros(3)}, step=5)
+        storage.written.wait()  # the stranger waits for "its" rank 0 now
         owner.save({"w": torch.ones(3)}, step=5).wait()
         with pytest.raises(lazyckpt.DirectoryLockedError, match="committed by another job"):
             theirs.wait()
     assert lazyckpt.load(lazyckpt.latest(tmp_path))["w"].tolist() == [1.0, 1.0, 1.0]
+    assert not [name for name in os.listdir(lazyckpt.latest(tmp_path)) if name.startswith("rank-00001")], \
+        "the stranger's files do not stay in the other job's checkpoint"

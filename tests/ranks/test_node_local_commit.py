@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lazyckpt.format.catalog import committed_steps
 from lazyckpt.storage import LocalStorage
 
 STEPS, BAD_STEP, BAD_RANK = 3, 2, 1
+COMMIT_TIMEOUT_S = 5.0
 
 
 class _FailsCommit(LocalStorage):
@@ -38,10 +40,36 @@ class _FailsCommit(LocalStorage):
         super().rename(src, dst, sync=sync)
 
 
+class _RenamesLate(LocalStorage):
+    """Holds the bad step's rename back until the other node's leader has renamed it and then given it up (it ran
+    out of ``commit_timeout_s`` waiting for this rename): the step then exists in neither directory."""
+
+    def __init__(self, other_dir: str) -> None:
+        super().__init__()
+        self.other = os.path.join(other_dir, f"step-{BAD_STEP:07d}")
+
+    def rename(self, src, dst, *, sync=True):
+        if dst.endswith(f"step-{BAD_STEP:07d}"):
+            _wait_for(lambda: os.path.exists(self.other))
+            _wait_for(lambda: not os.path.exists(self.other))
+        super().rename(src, dst, sync=sync)
+
+
+def _wait_for(condition) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():  # another process's progress, seen through its directory
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def _train(rank, world_size, root, out, where):
-    storage = _FailsCommit(where) if rank == BAD_RANK else None
+    if where == "late rename":
+        storage = _RenamesLate(os.path.join(root, "node0")) if rank == BAD_RANK else None
+    else:
+        storage = _FailsCommit(where) if rank == BAD_RANK else None
+    timeout = COMMIT_TIMEOUT_S if where == "late rename" else 60.0
     outcomes = []
-    with lazyckpt.LazyCheckpointer(os.path.join(root, f"node{rank}"), storage=storage, commit_timeout_s=60.0) as ckpt:
+    with lazyckpt.LazyCheckpointer(os.path.join(root, f"node{rank}"), storage=storage, commit_timeout_s=timeout) as ckpt:
         for step in range(1, STEPS + 1):
             state = {"w": lazyckpt.PerRank(torch.full((4,), float(step + 10 * rank)))}  # node-local: nothing shared
             pending = ckpt.save(state, step=step)
@@ -66,3 +94,15 @@ def test_a_leader_failing_its_commit_leaves_the_step_committed_nowhere(tmp_path,
     heard = {rank: json.load(open(out.format(rank=rank))) for rank in range(2)}
     assert heard[BAD_RANK] == [[1, "committed"], [2, "OSError"], [3, "committed"]]
     assert heard[1 - BAD_RANK] == [[1, "committed"], [2, "CommitAbandoned"], [3, "committed"]]
+
+
+def test_a_leader_giving_up_after_its_rename_takes_the_step_back_everywhere(tmp_path):
+    # Node 0's leader renames step 2, waits for node 1's rename, runs out of commit_timeout_s and gives the step up;
+    # node 1's rename comes only then. Both leaders act on one decision: neither keeps step 2.
+    root, out = str(tmp_path), str(tmp_path / "outcomes-{rank}.json")
+    run_ranks(_train, 2, root, out, "late rename")
+    for rank in range(2):
+        assert sorted(committed_steps(os.path.join(root, f"node{rank}"))) == [1, 3], f"node {rank}"
+    heard = {rank: json.load(open(out.format(rank=rank))) for rank in range(2)}
+    assert heard[0] == [[1, "committed"], [2, "TimeoutError"], [3, "committed"]]
+    assert heard[1] == [[1, "committed"], [2, "CommitAbandoned"], [3, "committed"]]
