@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.interop.weights_only import weights_only_safe
+from lazyckpt.interop.weights_only import check_weights_only, weights_only_safe
 from lazyckpt.read.load import check_committed, load
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
@@ -74,7 +74,9 @@ def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = T
     ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved container
     (see :mod:`lazyckpt.interop.weights_only`). ``storage`` and ``storage_options`` as for
     :func:`to_lightning_checkpoint`."""
+    checkpoint = weights_only_safe(to_lightning_checkpoint(path, verify=verify, storage=storage,
+                                                           storage_options=storage_options))
+    check_weights_only(checkpoint, os.fspath(path))
     buffer = io.BytesIO()
-    torch.save(weights_only_safe(to_lightning_checkpoint(path, verify=verify, storage=storage,
-                                                         storage_options=storage_options)), buffer)
+    torch.save(checkpoint, buffer)
     return buffer.getvalue()
