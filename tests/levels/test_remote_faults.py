@@ -167,3 +167,29 @@ def test_a_retry_finds_its_step_committed_already_and_uploads_nothing_again(tmp_
     step_1 = [p for p in remote.uploaded if "/step-0000001/" in p]
     assert len(step_1) == len(set(step_1)) == 3, "the retry of step 1 uploaded none of its objects again"
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2]
+
+
+@pytest.mark.parametrize("kept", [["manifest.json"], ["manifest.json", "rank-00000.json"]])
+def test_a_remote_step_missing_its_other_objects_is_never_latest_and_goes_once_a_newer_step_commits(
+        tmp_path, s3_remote, kept):
+    url, options = s3_remote
+    with lazyckpt.LazyCheckpointer(tmp_path / "a", remote=url, storage_options=options) as ckpt:
+        for n in (1, 2):
+            ckpt.save({"w": torch.full((4,), float(n))}, step=n).wait_remote()
+    remote = FsspecStorage(url, options)
+    remote.write_atomic(f"{url}/step-0000001/rank-00001-of-00002.safetensors", b"left by a 2-rank run", sync=True)
+    step_2 = f"{url}/step-0000002"
+    for name in remote.list_dir(step_2):
+        if name not in kept:  # what an outage, a tool or an older job's removal could leave
+            remote.remove_file(f"{step_2}/{name}")
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000001"
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001"}, [step_2])
+    assert torch.equal(lazyckpt.load(lazyckpt.latest(url, storage_options=options), storage_options=options)["w"],
+                       torch.full((4,), 1.0))
+    with lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options) as ckpt:
+        assert remote_steps(remote, url)[1] == [step_2], "above every committed step: left alone at the start"
+        ckpt.save({"w": torch.full((4,), 3.0)}, step=3).wait_remote()
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001", 3: f"{url}/step-0000003"}, []), \
+        "removed as a partial upload once a newer step committed"
+    assert remote.list_dir(url) == ["step-0000001", "step-0000003"]
+
