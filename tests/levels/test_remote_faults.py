@@ -193,3 +193,33 @@ def test_a_remote_step_missing_its_other_objects_is_never_latest_and_goes_once_a
         "removed as a partial upload once a newer step committed"
     assert remote.list_dir(url) == ["step-0000001", "step-0000003"]
 
+
+class CutCleanup(FsspecStorage):
+    """The real remote, except that while ``cut`` is set the removal of a step's objects dies after the first one
+    (the connection lost midway)."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.cut = False
+
+    def remove_tree(self, path):
+        if self.cut:
+            self.remove_file(f"{path}/{sorted(self.list_dir(path))[0]}")
+            raise ConnectionError(f"connection to the object store lost (injected) while removing {path}")
+        super().remove_tree(path)
+
+
+def test_a_retention_clean_up_cut_by_an_outage_leaves_nothing_after_close(tmp_path, s3_remote):
+    url, options = s3_remote
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options, remote_keep_last_k=1)
+    cut = ckpt.remote.storage = CutCleanup(url, options)
+    ckpt.save({"w": torch.ones(4)}, step=1).wait_remote()
+    cut.cut = True
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2).wait_remote()  # returns once step 1's removal was cut
+    remote = FsspecStorage(url, options)
+    assert remote_steps(remote, url) == ({2: f"{url}/step-0000002"}, [f"{url}/step-0000001"]), \
+        "the manifest went first: what the cut left is no step"
+    cut.cut = False  # the remote is back
+    ckpt.close()
+    assert remote.list_dir(url) == ["step-0000002"], "close() finished the clean-up"
+    assert torch.equal(lazyckpt.load(f"{url}/step-0000002", storage_options=options)["w"], torch.full((4,), 2.0))

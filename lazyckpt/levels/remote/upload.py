@@ -114,6 +114,8 @@ class RemoteLevel:
         """Failed first attempts and their local directories, queued again at the next commit."""
         self.completed: list[RemoteUpload] = []
         """Uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the throughput)."""
+        self._cleanup_due: int | None = None
+        """Rank 0: the commit whose clean-up failed (an outage); tried again after the next commit or at close."""
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[RemoteUpload, str] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -211,6 +213,8 @@ class RemoteLevel:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self._cleanup_due is not None:  # a clean-up cut by an outage: what it left goes now, if the remote is back
+            self._prune(self._cleanup_due)
 
     # --- the uploader thread --------------------------------------------------------------------------------
 
@@ -311,5 +315,8 @@ class RemoteLevel:
                 busy = {u.step for u in self._uploads.values()} | {u.step for u, _ in self._to_retry}
             remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy,
                                    listing=(committed, partial))
+            self._cleanup_due = None
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
-            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)
+            self._cleanup_due = just_committed
+            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed (tried again after the next "
+                           "remote commit and at close(); what it left is uncommitted): %r", just_committed, e)
