@@ -49,14 +49,22 @@ def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_the_missed_ste
     assert sorted(committed) == [1, 2, 3] and partial == [], "step 2 was retried when step 3 committed"
 
 
-def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_path, trained, s3_remote):
-    url, options = s3_remote
+def _first_upload_failed(tmp_path, trained, url, options):
+    """A checkpointer whose upload of step 1 failed (its tensor file went up, then the connection was lost):
+    ``(checkpointer, its FlakyRemote, still failing, step 1's local directory)``."""
     model, opt = trained
     ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
     flaky = ckpt.remote.storage = FlakyRemote(url, options)
     flaky.fail = True
-    ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+    local = ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
     ckpt.remote.drain()
+    return ckpt, flaky, local
+
+
+def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt, flaky, _ = _first_upload_failed(tmp_path, trained, url, options)
     with pytest.raises(ConnectionError) as failure:
         ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
     assert "step 1" in "\n".join(failure.value.__notes__) and "retried once" in "\n".join(failure.value.__notes__)
@@ -223,3 +231,20 @@ def test_a_retention_clean_up_cut_by_an_outage_leaves_nothing_after_close(tmp_pa
     ckpt.close()
     assert remote.list_dir(url) == ["step-0000002"], "close() finished the clean-up"
     assert torch.equal(lazyckpt.load(f"{url}/step-0000002", storage_options=options)["w"], torch.full((4,), 2.0))
+
+
+def test_a_retry_finding_only_its_commit_object_uploads_the_step_again(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt, flaky, local = _first_upload_failed(tmp_path, trained, url, options)
+    remote = FsspecStorage(url, options)
+    for name in remote.list_dir(f"{url}/step-0000001"):  # the first try left its tensor file: take it away too
+        remote.remove_file(f"{url}/step-0000001/{name}")
+    remote.upload_file(os.path.join(local, "manifest.json"), f"{url}/step-0000001/manifest.json")  # alone
+    flaky.fail = False
+    with pytest.raises(ConnectionError, match="injected"):
+        ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])  # step 1 is retried before step 2 goes up
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000002"
+    ckpt.close()
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001", 2: f"{url}/step-0000002"}, [])
+    lazyckpt.verify(f"{url}/step-0000001", storage_options=options)
