@@ -176,7 +176,10 @@ class _Cli:
         except PROBLEMS as e:
             self.problem(str(e))
             return 1
-        info = self.storage.stat(out)
+        except ValueError as e:  # the arguments (an out file that is a URL): bad usage
+            self.problem(str(e))
+            return 2
+        info = LocalStorage().stat(out)  # written locally, wherever the checkpoint was read from
         self.out.print(f"wrote {out} ({human_size(info.size if info else 0)}, {args.format})", soft_wrap=True)
         return 0
 
@@ -264,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="path")
     p.set_defaults(fn=_Cli.verify)
     p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt or a model.safetensors")
-    p.add_argument("path")
-    p.add_argument("out")
+    p.add_argument("path", help="a checkpoint directory or its URL (s3://bucket/run/step-0000040)")
+    p.add_argument("out", help="the local file to write")
     p.add_argument("--format", choices=FORMATS, default="lightning",
                    help="lightning: a .ckpt that torch.load(weights_only=True) accepts; safetensors: the model's "
                         "weights under their plain names (default lightning)")

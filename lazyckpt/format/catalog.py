@@ -3,8 +3,11 @@ reader applies, on local files and on object stores alike.
 
 A ``step-NNNNNNN`` entry is a committed checkpoint when it holds a regular ``manifest.json``, the file written last,
 and, on a file system, is itself a directory (never a link: a link could make one step look like another). An
-object store has no directories: there the manifest alone decides, one look-up per step. Any other ``step-*`` entry is
-uncommitted (a partial upload on an object store, which has no rename); names not ``step-*`` are not the format's.
+object store (any URL) has no rename and no directories: there a step counts when its listing also holds every
+rank's manifest and tensor file of one world size (``rank-NNNNN.json``, ``rank-NNNNN-of-WWWWW.safetensors``), which
+rank 0 checks before it writes the manifest; a step whose other objects an outage, a tool or an older job's removal
+took is uncommitted, never ``latest()``. One listing and one look-up per step. Any other ``step-*`` entry is
+uncommitted (a partial upload on an object store); names not ``step-*`` are not the format's.
 
 Example:
     >>> committed_steps("runs/ckpt")                    # doctest: +SKIP
@@ -16,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from lazyckpt.format.files import MANIFEST, STEP_DIR
+from lazyckpt.format.files import MANIFEST, RANK_FILE, STEP_DIR, rank_members
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, join
 
@@ -33,13 +36,26 @@ class Catalog:
 
 def is_committed(storage: Storage, step_path: str) -> bool:
     """True when ``step_path`` holds a regular ``manifest.json`` and, unless it is a URL, is a directory (not a
-    link)."""
+    link); a URL's listing must also hold every rank's files (:func:`holds_every_rank`)."""
     if not is_url(step_path):
         here = storage.stat(step_path)
         if here is None or here.kind is not FileKind.DIR:
             return False
+    elif not holds_every_rank(storage, step_path):
+        return False
     manifest = storage.stat(_join(step_path, MANIFEST))
     return manifest is not None and manifest.kind is FileKind.FILE
+
+
+def holds_every_rank(storage: Storage, step_url: str) -> bool:
+    """True when the listing of ``step_url`` holds ``manifest.json`` and, for a world size its tensor files name,
+    every rank's manifest and tensor file (a leftover of a run with another number of ranks does not matter)."""
+    try:
+        names = set(storage.list_dir(step_url))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    sizes = {int(match.group(2)) for name in names if (match := RANK_FILE.fullmatch(name))}
+    return MANIFEST in names and any(names.issuperset(rank_members(size)) for size in sizes if size >= 1)
 
 
 def catalog(storage: Storage, dirpath: str) -> Catalog:

@@ -15,6 +15,8 @@ MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 STEP_DIR = re.compile(r"step-([0-9]{7,})")
 """Use with ``fullmatch``: ``match`` would accept a trailing newline."""
+RANK_FILE = re.compile(r"rank-([0-9]{5,})-of-([0-9]{5,})\.safetensors")
+"""A rank's tensor file (:func:`rank_file`); group 2 is the world size. Use with ``fullmatch``."""
 SUPERSEDED_SUFFIX = ".superseded"
 """A committed checkpoint moved aside (``on_older_step="move_aside"``): kept, never read by ``latest()``."""
 
@@ -30,3 +32,8 @@ def rank_file(rank: int, world_size: int) -> str:
 def rank_manifest(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
+
+
+def rank_members(world_size: int) -> list[str]:
+    """What a step of ``world_size`` ranks holds besides ``manifest.json``: each rank's manifest and tensor file."""
+    return [name for rank in range(world_size) for name in (rank_manifest(rank), rank_file(rank, world_size))]

@@ -22,6 +22,7 @@ from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
 from lazyckpt.read.load import load
 from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.storage.urls import is_url, storage_for
 
 FORMATS = ("lightning", "safetensors")
 MODEL_KEYS = ("state_dict", "model")
@@ -30,43 +31,52 @@ MODEL_KEYS = ("state_dict", "model")
 
 def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, format: str = "lightning",
            key: str | None = None, strip_prefix: str | None = None, dedupe: bool = True,
-           storage: Storage | None = None) -> str:
-    """Write the checkpoint at ``path`` to ``out_file`` (atomically) and return ``out_file``.
+           storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> str:
+    """Write the checkpoint at ``path`` to the local file ``out_file`` (atomically) and return ``out_file``.
 
     Args:
-        path: a committed step directory or a name linking to one.
-        out_file: the file to write.
+        path: a committed step directory or a name linking to one, or its URL on a remote level
+            (``s3://bucket/run/step-0000040``).
+        out_file: the local file to write.
         format: ``"lightning"``: a Lightning ``.ckpt`` that loads with ``torch.load(weights_only=True)``;
             ``"safetensors"``: the model's weights under plain parameter names, as ``from_pretrained`` reads them.
-        key, strip_prefix, dedupe, storage: safetensors only; see :func:`export_safetensors`.
+        key, strip_prefix, dedupe: safetensors only; see :func:`export_safetensors`.
+        storage: where the checkpoint is read from (default: local files, or fsspec for a URL).
+        storage_options: passed to fsspec when ``path`` is a URL.
 
     Raises:
-        ValueError: an unknown ``format``.
-        CheckpointFormatError: no model weights found for a safetensors export.
+        ValueError: an unknown ``format``, or ``out_file`` is a URL.
+        CheckpointFormatError: no model weights found for a safetensors export, or a value the output would hold
+            that ``torch.load(weights_only=True)`` refuses (the message names file and key path).
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}")
     if format == "safetensors":
         return export_safetensors(path, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
-                                  storage=storage)
-    return export_lightning(path, out_file)
+                                  storage=storage, storage_options=storage_options)
+    return export_lightning(path, out_file, storage=storage, storage_options=storage_options)
 
 
-def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, verify: bool = True) -> str:
+def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, verify: bool = True,
+                     storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> str:
     """Write a lazyckpt checkpoint written by ``LazyCheckpoint`` as a plain Lightning ``.ckpt`` file (atomically);
     returns ``out_file``.
 
     The file holds only tensors and plain values, so ``torch.load(out_file, weights_only=True)``,
     ``LightningModule.load_from_checkpoint(out_file)`` and ``Trainer.fit(ckpt_path=out_file)`` all accept it
-    (:func:`lazyckpt.interop.lightning_format.lightning_checkpoint_bytes`).
+    (:func:`lazyckpt.interop.lightning_format.lightning_checkpoint_bytes`). ``storage`` and ``storage_options``
+    as for :func:`export`.
     """
-    return _write_atomic(LocalStorage(), out_file, lightning_checkpoint_bytes(path, verify=verify))
+    _check_local("out_file", out_file)
+    data = lightning_checkpoint_bytes(path, verify=verify, storage=storage, storage_options=storage_options)
+    return _write_atomic(out_file, data)
 
 
 def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, key: str | None = None,
-                       strip_prefix: str | None = None, dedupe: bool = True, storage: Storage | None = None) -> str:
-    """Write the model weights of a checkpoint (read and verified by :func:`lazyckpt.load`) to ``out_file``,
-    atomically; returns ``out_file``.
+                       strip_prefix: str | None = None, dedupe: bool = True, storage: Storage | None = None,
+                       storage_options: dict[str, Any] | None = None) -> str:
+    """Write the model weights of a checkpoint (read and verified by :func:`lazyckpt.load`) to the local file
+    ``out_file``, atomically; returns ``out_file``.
 
     Args:
         key: the top-level key holding the weights (default: the first of :data:`MODEL_KEYS` present, or the
@@ -74,9 +84,11 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
         strip_prefix: remove this prefix from every name (default: a Lightning checkpoint's ``state_dict`` loses
             the attribute prefix all its names share, e.g. ``model.`` of ``self.model``).
         dedupe: store bit-identical tensors (tied embeddings) once, under their first name.
+        storage, storage_options: where the checkpoint is read from, as for :func:`export`.
     """
-    storage = storage if storage is not None else LocalStorage()
-    state = load(path, storage=storage)
+    _check_local("out_file", out_file)
+    source, storage = storage_for(path, storage, storage_options)
+    state = load(source, storage=storage)
     weights = model_weights(state, key, where=os.fspath(path))
     lightning = "pytorch-lightning_version" in state
     prefix = strip_prefix if strip_prefix is not None else (_shared_prefix(weights) if lightning else "")
@@ -84,11 +96,18 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
     if dedupe:
         weights = drop_duplicates(weights)
     data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
-    return _write_atomic(storage, out_file, data)
+    return _write_atomic(out_file, data)
 
 
-def _write_atomic(storage: Storage, out_file: str | os.PathLike[str], data: bytes) -> str:
-    out_file = os.fspath(out_file)
+def _check_local(name: str, out_file: str | os.PathLike[str]) -> None:
+    if is_url(out_file):
+        raise ValueError(f"{name}={out_file!r} is a URL; an export writes a local file: pass a local path and copy "
+                         "the file to the remote afterwards (e.g. fsspec's put)")
+
+
+def _write_atomic(out_file: str | os.PathLike[str], data: bytes) -> str:
+    """The export goes to a local file, wherever the checkpoint was read from."""
+    out_file, storage = os.fspath(out_file), LocalStorage()
     storage.make_dir(os.path.dirname(os.path.abspath(out_file)))
     storage.write_atomic(out_file, data, sync=True)
     return out_file

@@ -18,16 +18,19 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointFormatError
-from lazyckpt.interop.weights_only import weights_only_safe
+from lazyckpt.interop.weights_only import check_weights_only, weights_only_safe
 from lazyckpt.read.load import check_committed, load
+from lazyckpt.storage import Storage
+from lazyckpt.storage.urls import storage_for
 
 EXTRA_KEY = "lazyckpt"
 """Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
 LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
 
 
-def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None,
-                            map_location: Any = None, verify: bool = True) -> dict[str, Any]:
+def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, map_location: Any = None,
+                            verify: bool = True, storage: Storage | None = None,
+                            storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict stored in a lazyckpt checkpoint written by ``LazyCheckpoint``.
 
     Args:
@@ -35,37 +38,45 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, rank: int | None = 
         rank: whose RNG states to attach (DDP writes one small file per rank); default rank 0.
         map_location: device for the tensors (default CPU).
         verify: check checksums while reading.
+        storage: where the files live (default: local files, or fsspec for a URL).
+        storage_options: passed to fsspec when ``path`` is a URL (``s3://bucket/run/step-0000040``).
 
     Raises:
         CheckpointNotFoundError: ``path`` is missing, partial (uncommitted) or a directory of checkpoints.
         CheckpointFormatError: it is a lazyckpt checkpoint but not a Lightning one, or its files are damaged.
     """
-    path = check_committed(os.fspath(path))
-    state = load(path, map_location=map_location, verify=verify)
+    path, storage = storage_for(path, storage, storage_options)
+    path = check_committed(path, storage)
+    state = load(path, map_location=map_location, verify=verify, storage=storage)
     if not isinstance(state, dict) or any(k not in state for k in LIGHTNING_KEYS):
         found = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
         raise CheckpointFormatError(f"{path} is a lazyckpt checkpoint but not a Lightning one (it has {found}, "
                                     f"not {list(LIGHTNING_KEYS)}); load it with lazyckpt.load() instead")
     extra = state.get(EXTRA_KEY)
     if rank and isinstance(extra, dict):
-        extra["rng"] = _rank_rng(path, rank, verify)
+        extra["rng"] = _rank_rng(path, rank, verify, storage)
     return state
 
 
-def _rank_rng(path: str, rank: int, verify: bool) -> dict[str, Any] | None:
+def _rank_rng(path: str, rank: int, verify: bool, storage: Storage | None) -> dict[str, Any] | None:
     try:
-        return load(path, rank=rank, verify=verify)[EXTRA_KEY]["rng"]
+        return load(path, rank=rank, verify=verify, storage=storage)[EXTRA_KEY]["rng"]
     except ValueError:  # saved by fewer ranks than read it now
         warnings.warn(f"lazyckpt: {path} holds no RNG state for rank {rank} (it was saved by fewer ranks); "
                       "that rank keeps its current RNG state", RuntimeWarning, stacklevel=3)
         return None
 
 
-def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = True) -> bytes:
+def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = True, storage: Storage | None = None,
+                               storage_options: dict[str, Any] | None = None) -> bytes:
     """The Lightning checkpoint stored at ``path`` as ``torch.save`` bytes holding only tensors and plain values,
     so ``torch.load(..., weights_only=True)`` and ``LightningModule.load_from_checkpoint`` accept them: a
     ``Namespace`` becomes a dict, numpy values lists and scalars, an OmegaConf config its unresolved container
-    (see :mod:`lazyckpt.interop.weights_only`)."""
+    (see :mod:`lazyckpt.interop.weights_only`). ``storage`` and ``storage_options`` as for
+    :func:`to_lightning_checkpoint`."""
+    checkpoint = weights_only_safe(to_lightning_checkpoint(path, verify=verify, storage=storage,
+                                                           storage_options=storage_options))
+    check_weights_only(checkpoint, os.fspath(path))
     buffer = io.BytesIO()
-    torch.save(weights_only_safe(to_lightning_checkpoint(path, verify=verify)), buffer)
+    torch.save(checkpoint, buffer)
     return buffer.getvalue()

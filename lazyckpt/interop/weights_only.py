@@ -11,12 +11,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import io
 import pathlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+from lazyckpt.errors import CheckpointFormatError
 
 _KEPT = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device, torch.Size)
 
@@ -52,3 +56,51 @@ def _omegaconf_plain(value: Any) -> Any:
 
 def _allowed_types() -> set[Any]:
     return {entry[0] if isinstance(entry, tuple) else entry for entry in torch.serialization.get_safe_globals()}
+
+
+def check_weights_only(value: Any, where: str) -> None:
+    """Refuse, with a :class:`~lazyckpt.CheckpointFormatError` naming ``where`` and the key path, a ``value`` that
+    ``torch.load(weights_only=True)`` would not read back once saved: an export never writes such a file. Its
+    non-tensor part is saved and loaded once, each tensor standing in as an empty one of its dtype (cheap)."""
+    skeleton = _skeleton(value)
+    problem = _refusal(skeleton)
+    if problem is None:
+        return
+    path, leaf = next(((p, leaf) for p, leaf in _leaves(skeleton, "state") if _refusal([leaf])), ("", None))
+    named = f" {path} = {str(leaf)[:80]!r}" if path else ""
+    raise CheckpointFormatError(f"{where}:{named} would make torch.load(weights_only=True) refuse the exported file "
+                                f"({problem}); nothing was written")
+
+
+def _skeleton(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    if isinstance(value, dict):
+        return {k: _skeleton(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value
+
+
+def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{path}[{key!r}]", key
+            yield from _leaves(item, f"{path}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _refusal(value: Any) -> str | None:
+    """Why ``torch.load(weights_only=True)`` refuses ``value`` saved by ``torch.save``; None when it reads it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever torch's safe unpickler refuses with, it is the answer
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None

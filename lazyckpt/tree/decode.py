@@ -47,7 +47,7 @@ class _Decoder:
             "$dict": self._dict, "$tuple": lambda v, p: tuple(self._items(v, p)),
             "$float": self._float, "$tensor": self._tensor, "$inline": lambda v, p: decode_inline_tensor(v),
             "$ndarray": lambda v, p: self.decode(v, p).cpu().numpy(), "$np_scalar": self._np_scalar,
-            "$torch_dtype": self._torch_dtype, "$torch_device": lambda v, p: torch.device(self._str(v, p)),
+            "$torch_dtype": self._torch_dtype, "$torch_device": self._torch_device,
             "$path": lambda v, p: pathlib.Path(self._str(v, p)),
             "$namespace": lambda v, p: argparse.Namespace(**self.decode(v, p)),
             "$dataclass": lambda v, p: self.decode(v["fields"], p), "$enum": lambda v, p: self.decode(v["value"], p),
@@ -120,6 +120,16 @@ class _Decoder:
         if not isinstance(value, str) or value not in _TORCH_DTYPE_NAMES:
             raise self.fail(path, f"{str(value)[:80]!r} is not a torch dtype")
         return _TORCH_DTYPE_NAMES[value]
+
+    def _torch_device(self, value: Any, path: str) -> torch.device:
+        # torch.device parses more than it keeps: "cuda:128" wraps to index -128, which torch.load(weights_only=True)
+        # then refuses, and "cuda:256" to "cuda:0". A save writes str(device), which reads back as written.
+        text = self._str(value, path)
+        device = torch.device(text)
+        if str(device) != text:
+            raise self.fail(path, f"device {text[:80]!r} does not read back as written (torch makes it "
+                                  f"{str(device)!r}); a save writes str(device)")
+        return device
 
     def _list(self, value: Any, path: str) -> list:
         if not isinstance(value, list):

@@ -33,20 +33,30 @@ def test_a_step_directory_with_a_manifest_is_committed_and_nothing_else_is(tmp_p
 class _CountingStorage(FsspecStorage):
     def __init__(self, url):
         super().__init__(url)
-        self.stats = 0
+        self.stats = self.listings = 0
 
     def stat(self, path):
         self.stats += 1
         return super().stat(path)
 
+    def list_dir(self, path):
+        self.listings += 1
+        return super().list_dir(path)
 
-def test_on_an_object_store_the_manifest_alone_decides_with_one_look_up_per_step(tmp_path):
+
+def test_on_an_object_store_a_step_counts_once_it_holds_every_rank_s_objects(tmp_path):
     url = f"memory://{tmp_path}/run"
     storage = _CountingStorage(url)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 5):
         _step(storage, f"{url}/step-{step:07d}")
+        storage.write_atomic(f"{url}/step-{step:07d}/rank-00000-of-00001.safetensors", b"", sync=False)
+    storage.write_atomic(f"{url}/step-0000002/rank-00001-of-00002.safetensors", b"", sync=False)  # another run's
     _step(storage, f"{url}/step-0000004", manifest=False)  # a partial upload: no commit object
-    storage.stats = 0
+    storage.remove_file(f"{url}/step-0000005/rank-00000.json")  # the commit object without a rank's manifest
+    storage.write_atomic(f"{url}/step-0000006/manifest.json", b"{}", sync=False)  # the commit object alone
+    storage.stats = storage.listings = 0
     found = catalog(storage, url)
-    assert sorted(found.committed) == [1, 2, 3] and found.uncommitted == [f"{url}/step-0000004"]
-    assert storage.stats == 4, "one look-up of each step's commit object, no stat of the prefixes themselves"
+    assert sorted(found.committed) == [1, 2, 3]
+    assert found.uncommitted == [f"{url}/step-{step:07d}" for step in (4, 5, 6)]
+    assert (storage.listings, storage.stats) == (1 + 6, 3), \
+        "one listing of each step, one look-up of each complete step's commit object, no stat of the prefixes"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,26 @@ def test_lightning_resumes_last_from_the_remote_on_an_empty_node_bit_exact(tmp_p
     assert trainer.ckpt_path == str(fetched), "resumed from the copy fetched from the remote level"
     for key, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_lightning_never_resumes_from_a_corrupt_remote_step_nor_keeps_its_copy(tmp_path, s3_remote):
+    from helpers.lightning_run import run
+    from lazyckpt.storage.fsspec import FsspecStorage
+
+    url, options = s3_remote
+    remote = {"save_top_k": -1, "remote": url, "storage_options": options}
+    run(str(tmp_path / "node-a"), max_epochs=2, callback_kwargs=remote)
+    newest = lazyckpt.latest(url, storage_options=options)
+    damaged = f"{newest}/rank-00000-of-00001.safetensors"
+    fs = FsspecStorage(url, options).fs
+    data = bytearray(fs.cat_file(damaged))
+    data[-1] ^= 0x01  # the last byte of the last tensor: only its chunk checksum can tell
+    fs.pipe_file(damaged, bytes(data))
+    with pytest.raises(lazyckpt.CheckpointCorruptError, match=rf"{re.escape(damaged)}: tensor .* checksum"):
+        run(str(tmp_path / "node-b"), max_epochs=3, resume="last", callback_kwargs=remote)
+    left = [name for name in os.listdir(tmp_path / "node-b") if name.startswith("step-")]
+    assert left == [], "no committed local copy of the damaged step, and no partial one"
+    assert lazyckpt.latest(str(tmp_path / "node-b")) is None
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import lazyckpt
-from lazyckpt.interop.export import export
+from helpers.forge import RANK0, edit_manifest
+from helpers.remote import moto_endpoint, s3_remote  # noqa: F401 - fixtures
+from lazyckpt.interop.export import FORMATS, export
 
 
 class TiedLM(nn.Module):
@@ -111,3 +113,70 @@ def test_an_export_never_writes_through_a_file_planted_where_its_temp_file_could
     assert victim.read_bytes() == b"keep me"
     assert torch.equal(load_file(str(out))["w"], torch.ones(3))
     assert sorted(os.listdir(out.parent)) == ["model.safetensors", "model.safetensors.tmp"], "no temp file left"
+
+
+def test_a_remote_checkpoint_exports_to_a_local_file_with_its_storage_options(tmp_path, s3_remote, capsys):
+    from lazyckpt.cli import main
+
+    url, options = s3_remote
+    model = TiedLM()
+    with lazyckpt.LazyCheckpointer(url, storage_options=options, spool_dir=str(tmp_path / "spool")) as ckpt:
+        remote = ckpt.save(lightning_like(model), step=1).wait_remote()
+    out = export(remote, tmp_path / "api" / "model.ckpt", storage_options=options)
+    assert torch.equal(torch.load(out, weights_only=True)["state_dict"]["model.head.weight"], model.head.weight)
+    out = export(remote, tmp_path / "api" / "model.safetensors", format="safetensors", storage_options=options)
+    assert sorted(load_file(out)) == ["embed.weight", "norm.bias", "norm.weight"]
+    flags = ["--storage-options", json.dumps(options)]
+    for name, fmt in [("m.ckpt", "lightning"), ("m.safetensors", "safetensors")]:
+        assert main(["export", remote, str(tmp_path / "cli" / name), "--format", fmt, *flags]) == 0, \
+            capsys.readouterr().err
+    assert torch.load(tmp_path / "cli" / "m.ckpt", weights_only=True)["global_step"] == 1
+    assert torch.equal(load_file(tmp_path / "cli" / "m.safetensors")["embed.weight"], model.embed.weight)
+
+
+def test_an_export_to_a_url_is_refused_naming_the_argument(tmp_path, capsys, monkeypatch):
+    from lazyckpt.cli import main
+
+    path = save(tmp_path, lightning_like(TiedLM()))
+    monkeypatch.chdir(tmp_path)  # where a URL taken for a local path would land
+    for fmt in FORMATS:
+        with pytest.raises(ValueError, match=r"out_file='s3://bucket/m' is a URL.*local path"):
+            export(path, "s3://bucket/m", format=fmt)
+    assert main(["export", path, "s3://bucket/m.ckpt"]) == 2
+    assert "is a URL" in capsys.readouterr().err
+    assert not os.path.exists("s3:")
+
+
+def _replace_device(node, new):
+    """The tree with every ``$torch_device`` node's string replaced by ``new``."""
+    if isinstance(node, dict):
+        return {k: (new if k == "$torch_device" else _replace_device(v, new)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_replace_device(v, new) for v in node]
+    return node
+
+
+@pytest.mark.parametrize("crafted", ["cuda:128", "cuda:256", "cuda:255", "mps:300"])
+def test_an_export_refuses_a_crafted_device_string_naming_file_and_key(tmp_path, crafted):
+    """torch.device('cuda:128') wraps to index -128, which torch.load(weights_only=True) refuses; 'cuda:256' and
+    'cuda:255' wrap to another device without a word."""
+    state = lightning_like(TiedLM())
+    state["hyper_parameters"]["device"] = torch.device("cuda", 0)
+    path = save(tmp_path, state)
+    edit_manifest(os.path.join(path, RANK0), lambda doc: doc.update(tree=_replace_device(doc["tree"], crafted)))
+    for fmt, out in [("lightning", tmp_path / "m.ckpt"), ("safetensors", tmp_path / "m.safetensors")]:
+        with pytest.raises(lazyckpt.CheckpointFormatError,
+                           match=rf"rank-00000\.json: tree at state\['hyper_parameters'\]\['device'\]: .*{crafted}"):
+            export(path, out, format=fmt)
+        assert not out.exists()
+    with pytest.raises(lazyckpt.CheckpointFormatError, match=crafted):
+        lazyckpt.verify(path)
+
+
+def test_the_export_check_names_the_key_torch_load_would_refuse():
+    from lazyckpt.interop.weights_only import check_weights_only
+
+    check_weights_only({"w": torch.ones(2), "d": torch.device("cuda", 3), "s": {1, 2}}, "ckpt")  # all readable
+    with pytest.raises(lazyckpt.CheckpointFormatError,
+                       match=r"ckpt: state\['a'\]\[1\]\['b'\] = .*frozenset.*weights_only=True.*nothing was written"):
+        check_weights_only({"a": [torch.ones(2), {"b": frozenset({1})}]}, "ckpt")  # torch's safe unpickler refuses it

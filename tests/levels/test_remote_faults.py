@@ -49,14 +49,22 @@ def test_a_remote_lost_mid_run_leaves_the_local_level_working_and_the_missed_ste
     assert sorted(committed) == [1, 2, 3] and partial == [], "step 2 was retried when step 3 committed"
 
 
-def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_path, trained, s3_remote):
-    url, options = s3_remote
+def _first_upload_failed(tmp_path, trained, url, options):
+    """A checkpointer whose upload of step 1 failed (its tensor file went up, then the connection was lost):
+    ``(checkpointer, its FlakyRemote, still failing, step 1's local directory)``."""
     model, opt = trained
     ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options)
     flaky = ckpt.remote.storage = FlakyRemote(url, options)
     flaky.fail = True
-    ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
+    local = ckpt.save(snapshot(model, opt), step=1, optimizers=[opt]).wait()
     ckpt.remote.drain()
+    return ckpt, flaky, local
+
+
+def test_a_failed_upload_is_retried_once_and_then_left_to_the_local_level(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt, flaky, _ = _first_upload_failed(tmp_path, trained, url, options)
     with pytest.raises(ConnectionError) as failure:
         ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
     assert "step 1" in "\n".join(failure.value.__notes__) and "retried once" in "\n".join(failure.value.__notes__)
@@ -167,3 +175,76 @@ def test_a_retry_finds_its_step_committed_already_and_uploads_nothing_again(tmp_
     step_1 = [p for p in remote.uploaded if "/step-0000001/" in p]
     assert len(step_1) == len(set(step_1)) == 3, "the retry of step 1 uploaded none of its objects again"
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2]
+
+
+@pytest.mark.parametrize("kept", [["manifest.json"], ["manifest.json", "rank-00000.json"]])
+def test_a_remote_step_missing_its_other_objects_is_never_latest_and_goes_once_a_newer_step_commits(
+        tmp_path, s3_remote, kept):
+    url, options = s3_remote
+    with lazyckpt.LazyCheckpointer(tmp_path / "a", remote=url, storage_options=options) as ckpt:
+        for n in (1, 2):
+            ckpt.save({"w": torch.full((4,), float(n))}, step=n).wait_remote()
+    remote = FsspecStorage(url, options)
+    remote.write_atomic(f"{url}/step-0000001/rank-00001-of-00002.safetensors", b"left by a 2-rank run", sync=True)
+    step_2 = f"{url}/step-0000002"
+    for name in remote.list_dir(step_2):
+        if name not in kept:  # what an outage, a tool or an older job's removal could leave
+            remote.remove_file(f"{step_2}/{name}")
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000001"
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001"}, [step_2])
+    assert torch.equal(lazyckpt.load(lazyckpt.latest(url, storage_options=options), storage_options=options)["w"],
+                       torch.full((4,), 1.0))
+    with lazyckpt.LazyCheckpointer(tmp_path / "b", remote=url, storage_options=options) as ckpt:
+        assert remote_steps(remote, url)[1] == [step_2], "above every committed step: left alone at the start"
+        ckpt.save({"w": torch.full((4,), 3.0)}, step=3).wait_remote()
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001", 3: f"{url}/step-0000003"}, []), \
+        "removed as a partial upload once a newer step committed"
+    assert remote.list_dir(url) == ["step-0000001", "step-0000003"]
+
+
+class CutCleanup(FsspecStorage):
+    """The real remote, except that while ``cut`` is set the removal of a step's objects dies after the first one
+    (the connection lost midway)."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.cut = False
+
+    def remove_tree(self, path):
+        if self.cut:
+            self.remove_file(f"{path}/{sorted(self.list_dir(path))[0]}")
+            raise ConnectionError(f"connection to the object store lost (injected) while removing {path}")
+        super().remove_tree(path)
+
+
+def test_a_retention_clean_up_cut_by_an_outage_leaves_nothing_after_close(tmp_path, s3_remote):
+    url, options = s3_remote
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options, remote_keep_last_k=1)
+    cut = ckpt.remote.storage = CutCleanup(url, options)
+    ckpt.save({"w": torch.ones(4)}, step=1).wait_remote()
+    cut.cut = True
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2).wait_remote()  # returns once step 1's removal was cut
+    remote = FsspecStorage(url, options)
+    assert remote_steps(remote, url) == ({2: f"{url}/step-0000002"}, [f"{url}/step-0000001"]), \
+        "the manifest went first: what the cut left is no step"
+    cut.cut = False  # the remote is back
+    ckpt.close()
+    assert remote.list_dir(url) == ["step-0000002"], "close() finished the clean-up"
+    assert torch.equal(lazyckpt.load(f"{url}/step-0000002", storage_options=options)["w"], torch.full((4,), 2.0))
+
+
+def test_a_retry_finding_only_its_commit_object_uploads_the_step_again(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    ckpt, flaky, local = _first_upload_failed(tmp_path, trained, url, options)
+    remote = FsspecStorage(url, options)
+    for name in remote.list_dir(f"{url}/step-0000001"):  # the first try left its tensor file: take it away too
+        remote.remove_file(f"{url}/step-0000001/{name}")
+    remote.upload_file(os.path.join(local, "manifest.json"), f"{url}/step-0000001/manifest.json")  # alone
+    flaky.fail = False
+    with pytest.raises(ConnectionError, match="injected"):
+        ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])  # step 1 is retried before step 2 goes up
+    assert ckpt.in_flight.wait_remote() == f"{url}/step-0000002"
+    ckpt.close()
+    assert remote_steps(remote, url) == ({1: f"{url}/step-0000001", 2: f"{url}/step-0000002"}, [])
+    lazyckpt.verify(f"{url}/step-0000001", storage_options=options)

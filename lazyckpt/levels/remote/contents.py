@@ -1,7 +1,7 @@
 """What a remote level holds: committed steps, partial uploads, and the commit-aware removal of a step.
 
 A remote step ``step-NNNNNNN/`` is committed by the format's one rule (:mod:`lazyckpt.format.catalog`): its
-``manifest.json``, the last object written, is there.
+``manifest.json``, the last object written, is there, and so is every rank's manifest and tensor file.
 Removal deletes the manifest first, so a removal cut short leaves an uncommitted step that readers ignore and
 the next run cleans up, never a "committed" step with missing files.
 """

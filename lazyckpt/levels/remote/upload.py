@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import RemoteUnreachableError
-from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, step_dirname
+from lazyckpt.format.catalog import is_committed
+from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, rank_members, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_attempt
@@ -113,6 +114,8 @@ class RemoteLevel:
         """Failed first attempts and their local directories, queued again at the next commit."""
         self.completed: list[RemoteUpload] = []
         """Uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the throughput)."""
+        self._cleanup_due: int | None = None
+        """Rank 0: the commit whose clean-up failed (an outage); tried again after the next commit or at close."""
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[RemoteUpload, str] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -210,6 +213,8 @@ class RemoteLevel:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self._cleanup_due is not None:  # a clean-up cut by an outage: what it left goes now, if the remote is back
+            self._prune(self._cleanup_due)
 
     # --- the uploader thread --------------------------------------------------------------------------------
 
@@ -259,18 +264,18 @@ class RemoteLevel:
         that every object it names is there (each rank's manifest and tensor file): a step whose files an outage or
         another job took is never committed. Returns its bytes."""
         there = set(self.storage.list_dir(step_url))
-        ranks = range(self.world_size)
-        named = [name for r in ranks for name in (rank_manifest(r), rank_file(r, self.world_size))]
-        missing = [name for name in named if name not in there]
+        missing = [name for name in rank_members(self.world_size) if name not in there]
         if missing:
             raise FileNotFoundError(errno.ENOENT, f"lazyckpt: {step_url} lacks {missing[:4]} ({len(missing)} in all) "
                                     "although every rank announced its upload; the commit object is not written")
         return self._copy(os.path.join(local_dir, MANIFEST), join(step_url, MANIFEST))
 
     def _committed_already(self, step_url: str, local_dir: str) -> bool:
-        """True when the remote holds this very checkpoint's commit object (not one of another run's step)."""
+        """True when the remote holds this very checkpoint committed (its commit object, not one of another run's step,
+        and every rank's files: a commit object alone is not a step)."""
         remote, local = join(step_url, MANIFEST), os.path.join(local_dir, MANIFEST)
-        return (self.storage.stat(remote) is not None and self.storage.read_bytes(remote, max_bytes=MAX_MANIFEST_BYTES)
+        return (is_committed(self.storage, step_url)
+                and self.storage.read_bytes(remote, max_bytes=MAX_MANIFEST_BYTES)
                 == self.local.read_bytes(local, max_bytes=MAX_MANIFEST_BYTES))
 
     def _own_files(self, local_dir: str) -> list[str]:
@@ -278,8 +283,7 @@ class RemoteLevel:
         rank owns. The commit object is not among them."""
         mine = [rank_file(self.rank, self.world_size), rank_manifest(self.rank)]
         if self.rank == 0:
-            owned = {rank_file(r, self.world_size) for r in range(self.world_size)}
-            owned |= {rank_manifest(r) for r in range(self.world_size)} | {MANIFEST}
+            owned = {*rank_members(self.world_size), MANIFEST}
             mine[:0] = sorted(n for n in self.local.list_dir(local_dir) if n not in owned)
         return mine
 
@@ -311,5 +315,8 @@ class RemoteLevel:
                 busy = {u.step for u in self._uploads.values()} | {u.step for u, _ in self._to_retry}
             remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy,
                                    listing=(committed, partial))
+            self._cleanup_due = None
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
-            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed: %r", just_committed, e)
+            self._cleanup_due = just_committed
+            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed (tried again after the next "
+                           "remote commit and at close(); what it left is uncommitted): %r", just_committed, e)
