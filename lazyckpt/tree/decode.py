@@ -102,6 +102,9 @@ class _Decoder:
                 key = values.decode_key(key, path, self)
             if isinstance(key, bool) or not isinstance(key, (str, int, tuple)):
                 raise self.fail(path, f"dict key {str(key)[:80]!r} is not a str, int or tuple")
+            if key in out:  # a saved dict holds each key once; a later pair would hide the first (a tensor, say)
+                raise self.fail(path, f"dict key {str(key)[:80]!r} is repeated; the tree was changed after it was "
+                                      "written (use another checkpoint)")
             out[key] = self.child(value, f"{path}[{key!r}]", key)
         return out
 

@@ -129,6 +129,8 @@ AB = [["a", {"$tensor": "a"}], ["b", {"$tensor": "b"}]]
      r"tree at state\['c'\]: refers to tensor 'b', but the tensor saved at this key path is named 'c'"),
     ({"$dict": [AB[1], ["n", 1]]}, r"the tree refers to none of the stored tensors \['a'\]"),
     ({"$dict": [AB[1], ["a", 7], ["n", 1]]}, r"the tree refers to none of the stored tensors \['a'\]"),
+    ({"$dict": [*AB, ["a", 7], ["n", 1]]}, r"tree at state: dict key 'a' is repeated"),
+    ({"$dict": [*AB, ["n", 1], ["n", 1]]}, r"tree at state: dict key 'n' is repeated"),
 ])
 def test_verify_refuses_every_tree_that_load_refuses(saved, tree, message):
     edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(tree=tree))
