@@ -27,12 +27,16 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.format.header import torch_dtype
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.tree.paths import tensor_key
+
+REFUSALS = (CheckpointFormatError, CheckpointNotFoundError, OSError)
+"""What the strict reader raises for a checkpoint it cannot read."""
 
 
 class StorageReader(dcp.StorageReader):
@@ -50,6 +54,7 @@ class StorageReader(dcp.StorageReader):
         self.verify = verify
         self.storage = storage
         self._where: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._refusal: BaseException | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -64,7 +69,19 @@ class StorageReader(dcp.StorageReader):
     def read_metadata(self) -> Metadata:
         """Every global tensor with its blocks, and every plain value of rank 0's tree, under DCP's names. Each
         rank's manifest is checked against the global view when :meth:`read_data` opens it (DCP wraps what a reader
-        raises in its own exception, with lazyckpt's message)."""
+        raises in its own exception, with lazyckpt's message).
+
+        A checkpoint the strict reader refuses gives an empty description here, and :meth:`set_up_storage_reader`,
+        which DCP calls next, raises the refusal: DCP turns an exception of ``read_metadata`` into an
+        ``AssertionError`` that keeps only its text ("metadata is None; global metadata read failed: ...")."""
+        self._refusal = None
+        try:
+            return self._describe()
+        except REFUSALS as e:
+            self._refusal = e
+            return Metadata(state_dict_metadata={})
+
+    def _describe(self) -> Metadata:
         reader = CheckpointReader(self.path, self.storage)
         index = reader.top.get("tensors", {})
         flat, paths = flatten_state_dict(reader.outline(0))
@@ -85,6 +102,8 @@ class StorageReader(dcp.StorageReader):
         return Metadata(state_dict_metadata=described, storage_data=storage_data)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._refusal is not None:
+            raise self._refusal
         self._where = {(index.fqn, tuple(index.offset or ())): where for index, where in metadata.storage_data.items()}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

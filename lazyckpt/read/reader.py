@@ -24,7 +24,7 @@ from lazyckpt.format.schema import GlobalView, check_against_global_view, check_
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.storage.urls import is_url
-from lazyckpt.tree.decode import unflatten
+from lazyckpt.tree.decode import check_references, unflatten
 
 Progress = Callable[[int], None]
 """Called with the number of tensor bytes just read and checked."""
@@ -115,6 +115,7 @@ class CheckpointReader:
         try:
             data_start = _check_header(handle, file, doc, where)
             check_against_global_view(doc, self.view, rank, where)  # before any tensor byte is read
+            check_references(doc["tree"], doc["tensors"], where)
         except BaseException:
             handle.close()
             raise

@@ -6,7 +6,7 @@ import argparse
 import base64
 import functools
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 from lazyckpt.tree import values
 from lazyckpt.tree.encode import MAX_DEPTH, MAX_NODE_DEPTH, node_depth
+from lazyckpt.tree.paths import tensor_key
 
 _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -43,6 +44,8 @@ class _Decoder:
     def __init__(self, tensors: dict[str, torch.Tensor], where: str) -> None:
         self.tensors = tensors
         self.where = where
+        self.parts: list[Any] = []
+        """The key path of the node being decoded (dict keys, list and tuple indices), as the encoder saw it."""
         self.tags: dict[str, Callable[[Any, str], Any]] = {
             "$dict": self._dict, "$tuple": lambda v, p: tuple(self._items(v, p)),
             "$float": self._float, "$tensor": self._tensor, "$inline": lambda v, p: decode_inline_tensor(v),
@@ -53,7 +56,7 @@ class _Decoder:
             "$dataclass": lambda v, p: self.decode(v["fields"], p), "$enum": lambda v, p: self.decode(v["value"], p),
             "$bytes": lambda v, p: base64.b64decode(self._str(v, p), validate=True),
             "$set": lambda v, p: set(self._items(v, p)),
-            "$complex": lambda v, p: complex(*(self._number(x, p) for x in self._items(v, p))),
+            "$complex": lambda v, p: complex(*(self._number(self.decode(x, p), p) for x in self._list(v, p))),
             **{tag: functools.partial(fn, decoder=self) for tag, fn in values.DECODERS.items()},
             "$per_rank": self.decode,
         }
@@ -65,7 +68,7 @@ class _Decoder:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if isinstance(node, list):
-            return [self.decode(v, f"{path}[{i}]") for i, v in enumerate(node)]
+            return [self.child(v, f"{path}[{i}]", i) for i, v in enumerate(node)]
         if isinstance(node, dict) and len(node) == 1:
             (tag, value), = node.items()
             handler = self.tags.get(tag)
@@ -79,8 +82,17 @@ class _Decoder:
                     raise self.fail(path, f"malformed {tag} node {str(value)[:80]!r}: {e}") from None
         raise self.fail(path, f"unknown node {str(node)[:80]!r}")
 
+    def child(self, node: Any, path: str, part: Any) -> Any:
+        """Decode ``node``, the member ``part`` (a dict key, an index, a sparse tensor's part) of the node at the
+        current key path; ``path`` names it in messages."""
+        self.parts.append(part)
+        try:
+            return self.decode(node, path)
+        finally:
+            self.parts.pop()
+
     def _items(self, value: Any, path: str) -> list:
-        return [self.decode(x, f"{path}[{i}]") for i, x in enumerate(self._list(value, path))]
+        return [self.child(x, f"{path}[{i}]", i) for i, x in enumerate(self._list(value, path))]
 
     def _dict(self, items: Any, path: str) -> dict:
         out = {}
@@ -90,12 +102,19 @@ class _Decoder:
                 key = values.decode_key(key, path, self)
             if isinstance(key, bool) or not isinstance(key, (str, int, tuple)):
                 raise self.fail(path, f"dict key {str(key)[:80]!r} is not a str, int or tuple")
-            out[key] = self.decode(value, f"{path}[{key!r}]")
+            if key in out:  # a saved dict holds each key once; a later pair would hide the first (a tensor, say)
+                raise self.fail(path, f"dict key {str(key)[:80]!r} is repeated; the tree was changed after it was "
+                                      "written (use another checkpoint)")
+            out[key] = self.child(value, f"{path}[{key!r}]", key)
         return out
 
     def _tensor(self, key: Any, path: str) -> torch.Tensor:
         if not isinstance(key, str) or key not in self.tensors:
             raise self.fail(path, f"refers to tensor {str(key)[:80]!r}, which the tensor file lacks")
+        own = tensor_key(tuple(self.parts))
+        if key != own:  # a tensor's key is its key path (docs/FORMAT.md rule 9): else another tensor's values
+            raise self.fail(path, f"refers to tensor {key[:80]!r}, but the tensor saved at this key path is named "
+                                  f"{own[:80]!r}; the tree was changed after it was written (use another checkpoint)")
         return self.tensors[key]
 
     def _float(self, value: Any, path: str) -> float:
@@ -165,6 +184,17 @@ def drop_per_rank(tree: Any) -> Any:
             return None
         return {k: drop_per_rank(v) for k, v in tree.items()}
     return tree
+
+
+def check_references(tree: Any, stored: Iterable[str], where: str) -> None:
+    """Every tensor of a rank's file is part of its state: the rank's tree refers to it (docs/FORMAT.md rule 21;
+    a writer stores only the tensors of its state). Else the tree lost a tensor, or a reference was moved."""
+    check_depth(tree, where)
+    unused = sorted(set(stored) - tensor_keys(tree))
+    if unused:
+        raise CheckpointFormatError(f"{where}: the tree refers to none of the stored tensors {unused[:5]} "
+                                    f"({len(unused)} in all); a writer stores only tensors of the state, so the "
+                                    "tree was changed after it was written (use another checkpoint)")
 
 
 def tensor_keys(tree: Any) -> set[str]:

@@ -104,11 +104,14 @@ def _plain_key(key: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------ decoding
 class Decoder(Protocol):
-    """What the tree decoder offers these decoders: ``decode`` a child node, ``fail`` naming the key path."""
+    """What the tree decoder offers these decoders: ``decode`` a node at the same key path, ``child`` a node one
+    key below it, ``fail`` naming the key path."""
 
     where: str
 
     def decode(self, node: Any, path: str) -> Any: ...
+
+    def child(self, node: Any, path: str, part: Any) -> Any: ...
 
     def fail(self, path: str, problem: str) -> CheckpointFormatError: ...
 
@@ -168,7 +171,8 @@ def _decode_strings(value: Any, path: str, decoder: Decoder) -> np.ndarray:
 
 
 def _decode_sparse(value: Any, path: str, decoder: Decoder) -> torch.Tensor:
-    parts = {k: decoder.decode(v, f"{path}.{k}") for k, v in value.items() if k not in ("layout", "size", "coalesced")}
+    parts = {k: decoder.child(v, f"{path}.{k}", f"${k}") for k, v in value.items()
+             if k not in ("layout", "size", "coalesced")}
     if not all(isinstance(t, torch.Tensor) for t in parts.values()):
         raise decoder.fail(path, "a sparse tensor's parts must be tensors")
     size, layout = value["size"], value["layout"]

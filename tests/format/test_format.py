@@ -114,11 +114,23 @@ def test_malformed_top_manifests_give_errors_naming_the_field(saved, mutate, mes
     load_and_verify_refuse(saved, match=f"manifest.json.*{message}")
 
 
+AB = [["a", {"$tensor": "a"}], ["b", {"$tensor": "b"}]]
+"""The fixture's tensors, each referred to at its own key path (every stored tensor belongs to the tree)."""
+
+
 @pytest.mark.parametrize("tree, message", [
-    ({"$dict": [["x", {"__reduce__": ["os.system", ["id"]]}]]}, r"tree at state\['x'\]: unknown node"),
-    ({"$dict": [["w", {"$tensor": "../../etc/passwd"}]]}, r"tree at state\['w'\]: refers to tensor '../../etc/passwd'"),
-    ({"$pickle": "gASV"}, "tree at state: unknown node"),
-    ({"$tuple": [1, {"$complex": [{"$tensor": "a"}, 0]}]}, r"tree at state\[1\]: expected a number"),
+    ({"$dict": [*AB, ["x", {"__reduce__": ["os.system", ["id"]]}]]}, r"tree at state\['x'\]: unknown node"),
+    ({"$dict": [*AB, ["w", {"$tensor": "../../etc/passwd"}]]}, r"tree at state\['w'\]: refers to tensor '../../etc/passwd'"),
+    ({"$dict": [*AB, ["p", {"$pickle": "gASV"}]]}, r"tree at state\['p'\]: unknown node"),
+    ({"$dict": [["a", {"$complex": [{"$tensor": "a"}, 0]}], AB[1]]}, r"tree at state\['a'\]: expected a number"),
+    ({"$dict": [["a", {"$tensor": "b"}], ["b", {"$tensor": "a"}], ["n", 1]]},
+     r"tree at state\['a'\]: refers to tensor 'b', but the tensor saved at this key path is named 'a'"),
+    ({"$dict": [["a", {"$tensor": "a"}], ["c", {"$tensor": "b"}], ["n", 1]]},
+     r"tree at state\['c'\]: refers to tensor 'b', but the tensor saved at this key path is named 'c'"),
+    ({"$dict": [AB[1], ["n", 1]]}, r"the tree refers to none of the stored tensors \['a'\]"),
+    ({"$dict": [AB[1], ["a", 7], ["n", 1]]}, r"the tree refers to none of the stored tensors \['a'\]"),
+    ({"$dict": [*AB, ["a", 7], ["n", 1]]}, r"tree at state: dict key 'a' is repeated"),
+    ({"$dict": [*AB, ["n", 1], ["n", 1]]}, r"tree at state: dict key 'n' is repeated"),
 ])
 def test_verify_refuses_every_tree_that_load_refuses(saved, tree, message):
     edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(tree=tree))

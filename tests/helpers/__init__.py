@@ -10,4 +10,6 @@ packages (``tests/write/`` for ``lazyckpt/write/``, ...), and tests of root modu
 | ``rollback_run`` | a Lightning run that goes non-finite, in process and as a DDP script |
 | ``soak`` | save, load and verify in a loop, sampling what a long run must not accumulate |
 | ``reliability`` | the reliability suite's engines (fuzzing, byte flips, SIGKILLs, soak), also runnable for long |
+| ``mutations`` | seeded mutations of a multi-rank checkpoint's manifests, written resealed into fresh directories |
+| ``fuzz_readers`` | every reader run on those mutations of a real 2-rank FSDP2 checkpoint, outcomes classified |
 """
