@@ -47,8 +47,9 @@ def _rank(rank: int, world_size: int, dirpath: str, plan: dict, out: str) -> Non
         threading.Timer(plan["delay_s"], os.kill, (os.getpid(), signal.SIGKILL)).start()
     if built:
         _train(built[0], rank, victim, plan, model, opt, calls)
-    with open(out, "w") as f:
+    with open(out.format(rank=rank) + ".tmp", "w") as f:
         json.dump(calls, f)
+    os.replace(out.format(rank=rank) + ".tmp", out.format(rank=rank))  # a victim killed while writing leaves none
 
 
 def _train(ckpt, rank: int, victim: bool, plan: dict, model, opt, calls: list) -> None:
@@ -78,10 +79,12 @@ def _timed(calls: list, name: str, fn) -> None:
 
 
 def trial(workdir: str, plan: dict) -> dict:
-    """One trial; returns the survivor's calls and the committed steps (raises AssertionError on a violation)."""
-    dirpath, out = os.path.join(workdir, "ckpt"), os.path.join(workdir, "survivor.json")
+    """One trial; returns the calls of every rank that lived to the end (the victim too, when its timer came after
+    its last call) and the committed steps (raises AssertionError on a violation)."""
+    dirpath, out = os.path.join(workdir, "ckpt"), os.path.join(workdir, "calls-{rank}.json")
     run_ranks(_rank, 2, dirpath, plan, out, meet_at_end=False, timeout=COMMIT_TIMEOUT_S)
-    calls = json.load(open(out))
+    files = [out.format(rank=r) for r in range(2) if os.path.exists(out.format(rank=r))]
+    calls = [call for file in files for call in json.load(open(file))]
     slowest = max(seconds for _, _, seconds in calls)
     assert slowest < plan["peer_s"] + MARGIN_S, f"a survivor call took {slowest:.1f}s: {plan} {calls}"
     for step, path in committed_steps(dirpath).items():
