@@ -13,7 +13,6 @@ import re
 import types
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -137,13 +136,15 @@ def check_signatures(code: str) -> None:
 
 # --- the test ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", documented_files(), ids=lambda p: p.name)
-def test_documented_python_examples_run(path, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # examples write to relative paths such as runs/ckpt
-    namespace = SETUPS.get(path.name, dict)()
-    for kind, code, line in python_blocks(path):
-        if kind == "signatures":
-            check_signatures(code)
-            continue
-        assert kind == "run", f"{path.name}:{line}: unknown docs-check marker {kind!r}"
-        exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
+def test_documented_python_examples_run_one_after_another_in_one_folder(tmp_path, monkeypatch):
+    """Every documented example runs, and a user trying the README and then each guide in the same folder sees none
+    of them trip over another's files (each writes a directory of its own under ``runs/``)."""
+    monkeypatch.chdir(tmp_path)
+    for path in documented_files():
+        namespace = SETUPS.get(path.name, dict)()
+        for kind, code, line in python_blocks(path):
+            if kind == "signatures":
+                check_signatures(code)
+                continue
+            assert kind == "run", f"{path.name}:{line}: unknown docs-check marker {kind!r}"
+            exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
