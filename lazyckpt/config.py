@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lazyckpt.storage.urls import check_url, is_url
@@ -48,8 +50,26 @@ def _parse_enum(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enu
     try:
         return enum_cls(value)
     except ValueError as e:
-        choices = ", ".join(repr(m.value) for m in enum_cls)
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {choices}") from e
+        values = [m.value for m in enum_cls]
+        raise ValueError(f"{name}={value!r} is not valid{did_you_mean(str(value), values)}; choose one of "
+                         f"{', '.join(map(repr, values))}") from e
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_option_names(options: Iterable[str], *, owner: str, extra: Iterable[str] = ()) -> None:
+    """Refuse an option that is no :class:`CheckpointConfig` field (nor one of ``extra``), naming the closest valid
+    one: a typo must not read as Python's bare ``unexpected keyword argument``."""
+    valid = sorted({f.name for f in fields(CheckpointConfig)} | set(extra))
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        name = unknown[0]
+        raise TypeError(f"{owner} got an unknown option {name!r}{did_you_mean(name, valid)}; valid options: "
+                        f"{', '.join(valid)}")
 
 
 @dataclass(kw_only=True, slots=True)

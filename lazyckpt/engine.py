@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lazyckpt.config import CheckpointConfig, OnBusy, normalize_dirpath
+from lazyckpt.config import CheckpointConfig, OnBusy, check_option_names, normalize_dirpath
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import CommittedSteps, DirectoryLock, meet_ranks
@@ -74,6 +74,7 @@ class LazyCheckpointer:
     def __init__(self, dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
                  backend: CopyBackend | None = None, store: Any = GROUP_STORE, **options: Any) -> None:
         self._closed = True  # until fully built, so close() and __del__ on a half-built object are no-ops
+        check_option_names(options, owner="LazyCheckpointer", extra=("storage", "backend", "store"))
         rank, world_size = rank_and_size(options.pop("rank", None), options.pop("world_size", None))
         self.config = CheckpointConfig(rank=rank, world_size=world_size, **options)
         self.dirpath = normalize_dirpath(dirpath)

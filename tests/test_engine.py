@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import lazyckpt
+from conftest import GatedBackend
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.write.stats import StatsLog
 
@@ -130,3 +131,35 @@ def test_a_checkpointer_dropped_without_close_frees_its_directory_at_once(tmp_pa
             lazyckpt.LazyCheckpointer(tmp_path / f"run{saves}").close()  # DirectoryLockedError if still alive
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(("options", "error", "hint"), [
+    ({"keep_last": 3}, TypeError, "unknown option 'keep_last' (did you mean 'keep_last_k'?)"),
+    ({"storge": None}, TypeError, "did you mean 'storage'?"),
+    ({"copy_backend": "trtion"}, ValueError, "copy_backend='trtion' is not valid (did you mean 'triton'?)"),
+    ({"on_busy": "skp"}, ValueError, "(did you mean 'skip'?)"),
+])
+def test_a_mistyped_option_names_the_closest_valid_one(tmp_path, options, error, hint):
+    with pytest.raises(error) as info:
+        lazyckpt.LazyCheckpointer(tmp_path, **options)
+    assert hint in str(info.value)
+
+
+def test_an_integration_names_the_closest_valid_option_too(tmp_path):
+    with pytest.raises(TypeError, match=r"LazyCheckpointHook got an unknown option 'copy_backnd' \(did you mean "
+                                        r"'copy_backend'\?\)"):
+        lazyckpt.LazyCheckpointHook(tmp_path, copy_backnd="cpu")
+
+
+def test_saving_before_the_optimizer_step_is_told_to_save_after_it(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    backend = GatedBackend()  # the copy waits until the step has changed the weights
+    with lazyckpt.LazyCheckpointer(tmp_path, backend=backend) as ckpt:
+        pending = ckpt.save({"model": model.state_dict()}, step=1, optimizers=[opt])  # before the step: wrong
+        opt.step()
+        backend.gate.set()
+        with pytest.raises(lazyckpt.SnapshotConsistencyError, match=r"call save\(\) right after optimizer.step\(\), "
+                                                                    r"not between backward\(\) and optimizer.step\(\)"):
+            pending.wait()

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, TypedDict
 
-from lazyckpt.config import CheckpointConfig, normalize_dirpath
+from lazyckpt.config import CheckpointConfig, check_option_names, normalize_dirpath
 from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.read.load import latest
 from lazyckpt.storage import FileKind, LocalStorage, kind_of
@@ -90,6 +90,8 @@ class SessionOptions:
                              "and keep_last_k is an argument of its own")
         self.engine = {**self.engine, **{k: getattr(self, k) for k in self._REMOTE_OPTIONS
                                          if getattr(self, k) != type(self).__dataclass_fields__[k].default}}
+        own = [f.name for f in fields(self) if f.init and f.name not in self._NOT_USER_OPTIONS]
+        check_option_names(self.engine, owner=self.owner, extra=(*ENGINE_OBJECTS, *own))
         config = {k: v for k, v in self.engine.items() if k not in ENGINE_OBJECTS}
         self._config = CheckpointConfig(keep_last_k=self.keep_last_k, **config)  # every check, now
 

@@ -178,7 +178,9 @@ def _check_versions(job: CheckpointJob) -> None:
         if tensor._version != version:
             raise SnapshotConsistencyError(
                 f"tensor {job.entries[index].key!r} was modified in place after save(step={job.step}) and "
-                "before its copy finished; call wait_staged() right before optimizer.step() (or pass the tensor "
-                "through neither `optimizers` nor `immutable` so it is copied eagerly)"
+                "before its copy finished. Lazily copied tensors (those of `optimizers` and `immutable`) must stay "
+                "unchanged from save() until wait_staged(): call save() right after optimizer.step(), not between "
+                "backward() and optimizer.step(), and wait_staged() right before the next optimizer.step(); or "
+                "pass the tensor through neither `optimizers` nor `immutable` so it is copied eagerly"
             )
 
