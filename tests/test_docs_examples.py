@@ -148,3 +148,15 @@ def test_documented_python_examples_run_one_after_another_in_one_folder(tmp_path
                 continue
             assert kind == "run", f"{path.name}:{line}: unknown docs-check marker {kind!r}"
             exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    """``.ci/run`` takes both commands from the README, so the README cannot drift from what CI proves."""
+    import runpy
+
+    command = runpy.run_path(str(ROOT / ".ci" / "readme_command.py"))["command"]
+    main, tests = command("main"), command("test")
+    assert main.startswith("python -m pip install torch==2.13.0") and main.endswith("lightning_finetune.py --demo")
+    assert tests.startswith("python -m pip install -q torch==2.13.0") and tests.endswith("&& python -m pytest -q")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "readme_command.py main" in ci and "readme_command.py test" in ci
