@@ -82,7 +82,8 @@ class LazyCheckpointer:
             self.dirpath, self.config = split_levels(self.dirpath, self.config)
         self.storage: Storage = storage if storage is not None else LocalStorage()
         self.storage.make_dir(self.dirpath)
-        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage)  # first: a refused job touches nothing
+        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage,  # first: a refused job touches nothing
+                                   self.config.world_size)
         try:
             self.remote: RemoteLevel | None = open_remote_level(self.config, self.storage)  # fails here, not at a save
             self._rendezvous = meet_ranks(self.dirpath, self.storage, self.config,

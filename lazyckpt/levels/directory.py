@@ -10,8 +10,10 @@ moved aside; ``keep_last_k`` removes the oldest after each commit, never one sti
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -122,10 +124,17 @@ class CommittedSteps:
 
 
 class DirectoryLock:
-    """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies)."""
+    """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies).
 
-    def __init__(self, dirpath: str, rank: int, storage: Storage) -> None:
+    Rank 0 also leaves a note of its job beside its lock (``.job-rank00000.json``: world size, process id, host),
+    so that a process calling itself another rank of a live job of another size on this host is refused at once
+    instead of reporting that job's checkpoints as its own (the commit checks it too, for ranks that start first or
+    on another host)."""
+
+    def __init__(self, dirpath: str, rank: int, storage: Storage, world_size: int = 1) -> None:
         self.path = os.path.join(dirpath, f".lock-rank{rank:05d}")
+        self._note = os.path.join(dirpath, JOB_NOTE) if rank == 0 else None
+        self._storage = storage
         try:
             self._lock: StorageLock | None = storage.lock(self.path)
         except BlockingIOError:
@@ -133,11 +142,50 @@ class DirectoryLock:
                 f"another live LazyCheckpointer writes {dirpath} as rank {rank}; close() it first or use "
                 "another dirpath"
             ) from None
+        try:
+            if self._note is None:
+                _refuse_another_jobs_rank(dirpath, rank, world_size, storage)
+            else:
+                note = {"world_size": world_size, "pid": os.getpid(), "host": socket.gethostname()}
+                storage.write_atomic(self._note, json.dumps(note).encode(), sync=False)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self._lock is not None:
+            if self._note is not None and self._storage.stat(self._note) is not None:
+                self._storage.remove_file(self._note)
             self._lock.release()
             self._lock = None
+
+
+JOB_NOTE = ".job-rank00000.json"
+
+
+def _refuse_another_jobs_rank(dirpath: str, rank: int, world_size: int, storage: Storage) -> None:
+    """Raise when a live rank 0 on this host writes ``dirpath`` for a job of another size."""
+    try:
+        note = json.loads(storage.read_bytes(os.path.join(dirpath, JOB_NOTE), max_bytes=4096))
+        size, pid, host = int(note["world_size"]), int(note["pid"]), str(note["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no note (rank 0 not started, or none live): the commit checks the step it finds
+    if size == world_size or host != socket.gethostname() or not _alive(pid):
+        return
+    raise DirectoryLockedError(
+        f"{dirpath} is written by a live {size}-rank job (rank 0 is process {pid}); this process says it is rank "
+        f"{rank} of {world_size}. Give each job its own dirpath, or start every rank of one job with the same "
+        f"world_size (if no such job runs, remove {os.path.join(dirpath, JOB_NOTE)})")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def remove_partials(dirpath: str, storage: Storage) -> list[str]:

@@ -67,11 +67,11 @@ class _SaysWhenItsManifestIsWritten(LocalStorage):
 
 
 def test_a_process_calling_itself_rank_1_of_another_jobs_directory_is_refused_at_its_first_commit(tmp_path):
-    # A live 1-rank job writes the directory; a second job's process says it is rank 1 of 2 there. Rank 0 of the
-    # first job commits its own step 5; the stranger must not report that step as its checkpoint.
+    # A process says it is rank 1 of 2 in a directory; a 1-rank job starts there after it (so it was not refused at
+    # construction). That job's rank 0 commits its own step 5; the stranger must not report it as its checkpoint.
     storage = _SaysWhenItsManifestIsWritten()
-    with lazyckpt.LazyCheckpointer(tmp_path) as owner, lazyckpt.LazyCheckpointer(
-            tmp_path, rank=1, world_size=2, commit_timeout_s=30.0, storage=storage) as stranger:
+    with lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2, commit_timeout_s=30.0, storage=storage) as stranger, \
+            lazyckpt.LazyCheckpointer(tmp_path) as owner:
         theirs = stranger.save({"w": torch.zeros(3)}, step=5)
         storage.written.wait()  # the stranger waits for "its" rank 0 now
         owner.save({"w": torch.ones(3)}, step=5).wait()
@@ -80,3 +80,13 @@ def test_a_process_calling_itself_rank_1_of_another_jobs_directory_is_refused_at
     assert lazyckpt.load(lazyckpt.latest(tmp_path))["w"].tolist() == [1.0, 1.0, 1.0]
     assert not [name for name in os.listdir(lazyckpt.latest(tmp_path)) if name.startswith("rank-00001")], \
         "the stranger's files do not stay in the other job's checkpoint"
+
+
+def test_a_process_calling_itself_rank_1_of_a_live_1_rank_job_is_refused_at_construction(tmp_path):
+    with lazyckpt.LazyCheckpointer(tmp_path):
+        with pytest.raises(lazyckpt.DirectoryLockedError, match=r"written by a live 1-rank job .* rank 1 of 2"):
+            lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2)
+    # Once that job ended, a 2-rank job may use the directory (its rank 1 may start first).
+    with lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2), \
+            lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2):
+        pass
