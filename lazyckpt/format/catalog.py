@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from lazyckpt.format.files import MANIFEST, RANK_FILE, STEP_DIR, rank_members
+from lazyckpt.format.files import MANIFEST, RANK_FILE, STEP_DIR, rank_file, rank_manifest
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, join
 
@@ -54,8 +54,18 @@ def holds_every_rank(storage: Storage, step_url: str) -> bool:
         names = set(storage.list_dir(step_url))
     except (FileNotFoundError, NotADirectoryError):
         return False
+    return names_hold_every_rank(names)
+
+
+def names_hold_every_rank(names: set[str]) -> bool:
+    """:func:`holds_every_rank` of a step's listing. A world size is tried only when the listing is long enough to
+    hold its ``2 * size + 1`` objects, name by name (never a list of them): a name claiming 4294967296 ranks costs
+    nothing."""
+    if MANIFEST not in names:
+        return False
     sizes = {int(match.group(2)) for name in names if (match := RANK_FILE.fullmatch(name))}
-    return MANIFEST in names and any(names.issuperset(rank_members(size)) for size in sizes if size >= 1)
+    return any(all(rank_manifest(rank) in names and rank_file(rank, size) in names for rank in range(size))
+               for size in sizes if 1 <= size and 2 * size + 1 <= len(names))
 
 
 def catalog(storage: Storage, dirpath: str) -> Catalog:

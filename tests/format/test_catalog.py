@@ -60,3 +60,33 @@ def test_on_an_object_store_a_step_counts_once_it_holds_every_rank_s_objects(tmp
     assert found.uncommitted == [f"{url}/step-{step:07d}" for step in (4, 5, 6)]
     assert (storage.listings, storage.stats) == (1 + 6, 3), \
         "one listing of each step, one look-up of each complete step's commit object, no stat of the prefixes"
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HUGE_WORLD = r'''
+import resource, sys
+from lazyckpt.format.catalog import catalog
+from lazyckpt.storage.fsspec import FsspecStorage
+
+url = sys.argv[1]
+storage = FsspecStorage(url)
+for name in ("manifest.json", "rank-00000.json", "rank-00000-of-4294967296.safetensors"):
+    storage.write_atomic(f"{url}/step-0000001/{name}", b"{}", sync=False)
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))  # 256 MiB more, at most
+print(sorted(catalog(storage, url).committed))
+'''
+
+
+def test_a_tensor_file_claiming_four_billion_ranks_costs_a_reader_nothing(tmp_path):
+    """One object ``rank-00000-of-4294967296.safetensors`` must not make a reader build 8.6e9 names (it hung or ran
+    out of memory): a world size longer than the listing cannot be complete."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "huge_world.py"
+    script.write_text(_HUGE_WORLD)
+    done = subprocess.run([sys.executable, str(script), f"memory://{tmp_path.name}/run"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": _REPO})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
