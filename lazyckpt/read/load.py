@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointNotFoundError
-from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.catalog import newest_committed
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
@@ -33,8 +33,8 @@ from lazyckpt.tree.decode import unflatten
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
            storage_options: dict[str, Any] | None = None) -> str | None:
     """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none."""
-    steps = committed_steps(*storage_for(dirpath, storage, storage_options))
-    return steps[max(steps)] if steps else None
+    path, storage = storage_for(dirpath, storage, storage_options)
+    return newest_committed(storage if storage is not None else LocalStorage(), path)
 
 
 def checkpoint_step(path: str | os.PathLike[str], *, storage: Storage | None = None,

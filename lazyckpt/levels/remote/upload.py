@@ -125,8 +125,8 @@ class RemoteLevel:
             self.storage.make_dir(self.url)
             if self.rank == 0:
                 remove_partial_uploads(self.storage, self.url)
-            else:
-                remote_steps(self.storage, self.url)
+            else:  # rank 0 cleans up; the others only check that the remote answers: one listing
+                self.storage.list_dir(self.url)
         except Exception as e:
             raise RemoteUnreachableError(
                 f"remote={self.url!r} is not reachable: {type(e).__name__}: {e}. Check the URL, the credentials and "
