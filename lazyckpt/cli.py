@@ -171,8 +171,9 @@ class _Cli:
 
     def export(self, args: argparse.Namespace) -> int:
         try:
+            source = {"storage_options": args.storage_options} if is_url(args.path) else {"storage": self.storage}
             out = export(args.path, args.out, format=args.format, key=args.key, strip_prefix=args.strip_prefix,
-                         dedupe=not args.keep_duplicates, storage=self.storage)
+                         dedupe=not args.keep_duplicates, **source)
         except PROBLEMS as e:
             self.problem(str(e))
             return 1

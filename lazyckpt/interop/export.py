@@ -18,13 +18,15 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
-from lazyckpt.read.load import load
+from lazyckpt.read.load import check_committed, load
 from lazyckpt.storage import LocalStorage, Storage
-from lazyckpt.storage.urls import is_url, storage_for
+from lazyckpt.storage.urls import is_url, storage_for, unreachable
 
 FORMATS = ("lightning", "safetensors")
+LAZYCKPT_ERRORS = (CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError)
+"""lazyckpt's own errors (CheckpointCorruptError is a CheckpointFormatError): raised as they are."""
 MODEL_KEYS = ("state_dict", "model")
 """Where the weights are looked for when no key is given: Lightning's layout, then the plain-PyTorch habit."""
 
@@ -46,15 +48,27 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
 
     Raises:
         ValueError: an unknown ``format``, or ``out_file`` is a URL.
+        CheckpointNotFoundError: ``path`` is no committed checkpoint (a directory of them: the message names the
+            newest step to export).
+        RemoteUnreachableError: the remote ``path`` could not be read (endpoint, credentials, an unknown storage
+            option); the message names the URL and ``storage_options``.
         CheckpointFormatError: no model weights found for a safetensors export, or a value the output would hold
             that ``torch.load(weights_only=True)`` refuses (the message names file and key path).
     """
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}")
-    if format == "safetensors":
-        return export_safetensors(path, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
-                                  storage=storage, storage_options=storage_options)
-    return export_lightning(path, out_file, storage=storage, storage_options=storage_options)
+    _check_local("out_file", out_file)
+    try:
+        source, reading = storage_for(path, storage, storage_options)
+        check_committed(source, reading, advice=f"export that step: lazyckpt export <that step> {os.fspath(out_file)}")
+        if format == "safetensors":
+            return export_safetensors(source, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
+                                      storage=reading)
+        return export_lightning(source, out_file, storage=reading)
+    except Exception as e:
+        if not is_url(os.fspath(path)) or isinstance(e, (ValueError, *LAZYCKPT_ERRORS)):
+            raise
+        raise unreachable("path", os.fspath(path), storage_options, e) from e
 
 
 def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, verify: bool = True,

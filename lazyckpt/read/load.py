@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lazyckpt.errors import CheckpointNotFoundError
-from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.catalog import newest_committed
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
@@ -33,8 +33,8 @@ from lazyckpt.tree.decode import unflatten
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
            storage_options: dict[str, Any] | None = None) -> str | None:
     """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none."""
-    steps = committed_steps(*storage_for(dirpath, storage, storage_options))
-    return steps[max(steps)] if steps else None
+    path, storage = storage_for(dirpath, storage, storage_options)
+    return newest_committed(storage if storage is not None else LocalStorage(), path)
 
 
 def checkpoint_step(path: str | os.PathLike[str], *, storage: Storage | None = None,
@@ -96,10 +96,10 @@ def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, prog
         reader.check_rank(rank, progress=progress)
 
 
-def check_committed(path: str, storage: Storage | None = None) -> str:
+def check_committed(path: str, storage: Storage | None = None, *, advice: str = "or pass ckpt_path='last'") -> str:
     """``path``, unless it cannot be what a run resumes from: then :class:`~lazyckpt.CheckpointNotFoundError` says
-    what it is instead (a directory of checkpoints, with its newest committed one; a checkpoint never committed;
-    nothing, with the newest committed checkpoint next to it). Another tool's file passes."""
+    what it is instead (a directory of checkpoints, with its newest committed one and ``advice``; a checkpoint never
+    committed; nothing, with the newest committed checkpoint next to it). Another tool's file passes."""
     storage = storage if storage is not None else LocalStorage()
     kind = kind_of(storage, path)
     if kind is FileKind.DIR and kind_of(storage, os.path.join(path, MANIFEST)) is not FileKind.FILE:
@@ -107,7 +107,7 @@ def check_committed(path: str, storage: Storage | None = None) -> str:
         if newest is not None:
             raise CheckpointNotFoundError(
                 f"{path} is a directory of checkpoints, not one checkpoint; the newest committed one is {newest} "
-                "(or pass ckpt_path='last')")
+                f"({advice.replace('<that step>', newest)})")
     if kind is None:
         partial = kind_of(storage, path + PARTIAL_SUFFIX) is FileKind.DIR
         hint = " It is still partial (never committed)." if partial else ""

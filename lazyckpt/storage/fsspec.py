@@ -215,6 +215,29 @@ class FsspecStorage:
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
         return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["name"].rstrip("/") != base]
 
+    def list_tree(self, path: str, *, depth: int) -> dict[str, FileKind]:
+        """What lies below ``path`` down to ``depth`` levels, by relative name (``step-0000040/manifest.json``); an
+        entry deeper down makes its ancestors directories. On an object store this is one recursive listing (one
+        request per 1,000 objects; s3fs's ``maxdepth`` would list each directory on its own), elsewhere a walk.
+        A missing ``path`` holds nothing."""
+        self.fs.invalidate_cache()
+        base = self._path(path).rstrip("/")
+        entries = self.fs.find(base, maxdepth=None if self._is_s3 else depth, withdirs=True, detail=True)
+        found: dict[str, FileKind] = {}
+        for name, info in entries.items():
+            parts = name.removeprefix(base + "/").split("/") if name.startswith(base + "/") else [""]
+            marker = parts[-1] == ""  # "x/": an S3 directory marker, or the listed path itself
+            parts = parts[:-1] if marker else parts
+            for above in range(1, min(len(parts), depth + 1)):
+                found["/".join(parts[:above])] = FileKind.DIR
+            if not parts or len(parts) > depth:
+                continue
+            kind = {"file": FileKind.FILE, "directory": FileKind.DIR}.get(info.get("type"), FileKind.OTHER)
+            kind = FileKind.DIR if marker else FileKind.LINK if info.get("islink") else kind
+            if found.get("/".join(parts)) is not FileKind.DIR:
+                found["/".join(parts)] = kind
+        return found
+
     def resolve(self, path: str) -> str:
         return path
 

@@ -8,6 +8,7 @@ import re
 import tempfile
 from typing import Any
 
+from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.storage.base import Storage
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
@@ -27,6 +28,21 @@ def check_url(name: str, url: object) -> str:
     if stripped.endswith(":/") or stripped.endswith(":"):
         raise ValueError(f"{name}={url!r} names no bucket or directory; add one, e.g. 's3://bucket/run'")
     return stripped
+
+
+_SECRET = re.compile(r"key|secret|token|password|credential|sas|signature", re.IGNORECASE)
+
+
+def unreachable(name: str, url: str, storage_options: dict[str, Any] | None,
+                error: BaseException) -> RemoteUnreachableError:
+    """The error for a remote that could not be reached or read: ``name=url``, the storage options (secrets
+    masked), what the file system said, and what to check."""
+    shown = None if storage_options is None else {
+        k: "***" if _SECRET.search(str(k)) and not isinstance(v, dict) else v for k, v in storage_options.items()}
+    return RemoteUnreachableError(
+        f"{name}={url!r} is not reachable with storage_options={shown!r}: {type(error).__name__}: {error}. Check the "
+        "URL, the credentials and storage_options (for S3: endpoint_url, key, secret; an option the file system "
+        "does not know is refused), and that the bucket or directory exists")
 
 
 def options_for(path: object, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:

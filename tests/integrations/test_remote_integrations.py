@@ -90,9 +90,11 @@ def test_lightning_never_resumes_from_a_corrupt_remote_step_nor_keeps_its_copy(t
     newest = lazyckpt.latest(url, storage_options=options)
     damaged = f"{newest}/rank-00000-of-00001.safetensors"
     fs = FsspecStorage(url, options).fs
-    data = bytearray(fs.cat_file(damaged))
-    data[-1] ^= 0x01  # the last byte of the last tensor: only its chunk checksum can tell
-    fs.pipe_file(damaged, bytes(data))
+    for step_url in lazyckpt.format.catalog.committed_steps(url, FsspecStorage(url, options)).values():
+        tensor_file = f"{step_url}/rank-00000-of-00001.safetensors"  # every step: none to fall back to
+        data = bytearray(fs.cat_file(tensor_file))
+        data[-1] ^= 0x01  # the last byte of the last tensor: only its chunk checksum can tell
+        fs.pipe_file(tensor_file, bytes(data))
     with pytest.raises(lazyckpt.CheckpointCorruptError, match=rf"{re.escape(damaged)}: tensor .* checksum"):
         run(str(tmp_path / "node-b"), max_epochs=3, resume="last", callback_kwargs=remote)
     left = [name for name in os.listdir(tmp_path / "node-b") if name.startswith("step-")]

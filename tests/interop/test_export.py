@@ -134,6 +134,46 @@ def test_a_remote_checkpoint_exports_to_a_local_file_with_its_storage_options(tm
     assert torch.equal(load_file(tmp_path / "cli" / "m.safetensors")["embed.weight"], model.embed.weight)
 
 
+def test_an_unreachable_or_misconfigured_remote_export_is_one_line_naming_url_and_options(tmp_path, capsys):
+    """A wrong endpoint gave a raw botocore EndpointConnectionError traceback, an unknown storage option a raw
+    TypeError: both are RemoteUnreachableError naming the URL and the options (secrets masked), exit 1 in the CLI."""
+    from helpers.remote import free_port, s3_options
+    from lazyckpt.cli import main
+
+    url = "s3://bucket/run/step-0000001"
+    nowhere = s3_options(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    for options, said in [(nowhere, "EndpointConnectionError"), ({"no_such_option": 1}, "TypeError")]:
+        with pytest.raises(lazyckpt.RemoteUnreachableError) as refused:
+            export(url, tmp_path / "m.ckpt", storage_options=options)
+        message = str(refused.value)
+        assert f"path={url!r} is not reachable with storage_options=" in message and said in message
+        if options is nowhere:
+            assert "'endpoint_url': 'http://127.0.0.1:" in message and "'secret': '***'" in message
+            assert "testing" not in message, "no credentials in a message"
+        else:
+            assert "'no_such_option': 1" in message
+        assert main(["export", url, str(tmp_path / "m.ckpt"), "--storage-options", json.dumps(options)]) == 1
+        err = capsys.readouterr().err
+        assert said in err and url in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "m.ckpt")
+
+
+def test_exporting_a_run_directory_names_the_newest_step_to_export(tmp_path, capsys):
+    """The advice was ckpt_path='last' (Lightning's), which means nothing to an export."""
+    from lazyckpt.cli import main
+
+    with lazyckpt.LazyCheckpointer(tmp_path / "ckpt") as ckpt:
+        for step in (1, 2):
+            newest = ckpt.save({"model": {"w": torch.ones(3)}}, step=step).wait()
+    for fmt in FORMATS:
+        with pytest.raises(lazyckpt.CheckpointNotFoundError) as refused:
+            export(tmp_path / "ckpt", tmp_path / "m.out", format=fmt)
+        assert f"lazyckpt export {newest} {tmp_path / 'm.out'}" in str(refused.value)
+        assert "ckpt_path" not in str(refused.value)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m.ckpt")]) == 1
+    assert f"newest committed one is {newest}" in capsys.readouterr().err
+
+
 def test_an_export_to_a_url_is_refused_naming_the_argument(tmp_path, capsys, monkeypatch):
     from lazyckpt.cli import main
 

@@ -79,21 +79,21 @@ def test_ranks_sharing_a_directory_fetch_a_remote_checkpoint_once(tmp_path, monk
         ckpt.save(_state(0, 7), step=7).wait_remote()
     both_looked, second_fetch, fetches = threading.Barrier(2), threading.Event(), []
 
-    def newest_then_meet(*args):  # both ranks see only the remote copy before either fetches it
-        found = lazyckpt.levels.remote.contents.newest_checkpoint(*args)
+    def listed_then_meet(*args):  # both ranks see only the remote copy before either fetches it
+        found = lazyckpt.levels.remote.contents.remote_steps(*args)
         both_looked.wait(timeout=60)
         return found
 
-    def fetch_in_step(*args):
+    def fetch_in_step(*args, **kwargs):
         fetches.append(args)
         if len(fetches) == 1:  # the first fetch stays open while the other rank could start one too
             second_fetch.wait(timeout=2)
         else:
             second_fetch.set()
-        return real_fetch_step(*args)
+        return real_fetch_step(*args, **kwargs)
 
     real_fetch_step = fetch.fetch_step
-    monkeypatch.setattr(fetch, "newest_checkpoint", newest_then_meet)
+    monkeypatch.setattr(fetch, "remote_steps", listed_then_meet)
     monkeypatch.setattr(fetch, "fetch_step", fetch_in_step)
     node, found = str(tmp_path / "fresh-node"), [None, None]
     threads = [threading.Thread(target=lambda r=r: found.__setitem__(r, fetch.newest_on_this_node(node, url, None)))

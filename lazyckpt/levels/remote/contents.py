@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 def remote_steps(storage: Storage, url: str) -> tuple[dict[int, str], list[str]]:
     """``({step: step URL}, [URLs of uncommitted step entries])`` under ``url`` (an absent prefix holds nothing).
 
-    One listing of ``url``, then one look-up of each step entry and its commit object
-    (:func:`lazyckpt.format.catalog.catalog`). Entries not named ``step-*`` are not ours and are left alone.
+    One recursive listing of ``url`` gives every step's objects, checked by the format's commit rule
+    (:func:`lazyckpt.format.catalog.catalog`: the commit object and every rank's manifest and tensor file); on S3 one
+    request per 1,000 objects. Entries not named ``step-*`` are not ours and are left alone.
     """
     found = catalog(storage, url)
     return found.committed, found.uncommitted

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.format.catalog import is_committed
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, rank_members, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
@@ -31,7 +30,7 @@ from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_a
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
-from lazyckpt.storage.urls import join
+from lazyckpt.storage.urls import join, unreachable
 from lazyckpt.threads import UPLOAD_NICE, start_background_thread
 
 if TYPE_CHECKING:
@@ -103,7 +102,7 @@ class RemoteLevel:
         self.local = local
         self.url, self.every_n, self.keep_last_k = url, every_n, keep_last_k
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.storage = FsspecStorage(url, storage_options)
+        self.storage, self.storage_options = FsspecStorage(url, storage_options), storage_options
         self._probe()
         self.meeting: StoreMeeting | RemoteMeeting = RemoteMeeting(self.storage, local, rank=rank, world_size=world_size,
                                                                    timeout_s=timeout_s)
@@ -125,13 +124,10 @@ class RemoteLevel:
             self.storage.make_dir(self.url)
             if self.rank == 0:
                 remove_partial_uploads(self.storage, self.url)
-            else:
-                remote_steps(self.storage, self.url)
+            else:  # rank 0 cleans up; the others only check that the remote answers: one listing
+                self.storage.list_dir(self.url)
         except Exception as e:
-            raise RemoteUnreachableError(
-                f"remote={self.url!r} is not reachable: {type(e).__name__}: {e}. Check the URL, the credentials and "
-                "storage_options (for S3: endpoint_url, key, secret), and that the bucket or directory can be "
-                "created") from e
+            raise unreachable("remote", self.url, self.storage_options, e) from e
 
     # --- the engine's side ----------------------------------------------------------------------------------
 
