@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -231,6 +233,38 @@ def test_a_retention_clean_up_cut_by_an_outage_leaves_nothing_after_close(tmp_pa
     ckpt.close()
     assert remote.list_dir(url) == ["step-0000002"], "close() finished the clean-up"
     assert torch.equal(lazyckpt.load(f"{url}/step-0000002", storage_options=options)["w"], torch.full((4,), 2.0))
+
+
+class HangingCleanup(CutCleanup):
+    """As :class:`CutCleanup`; while ``hang`` is set a removal waits for ``release`` (an endpoint that never
+    answers, as a remote still down at ``close()`` can be for the storage's own retries)."""
+
+    def __init__(self, url, options):
+        super().__init__(url, options)
+        self.hang, self.release = False, threading.Event()
+
+    def remove_tree(self, path):
+        if self.hang:
+            self.release.wait(120)
+        super().remove_tree(path)
+
+
+def test_a_clean_up_retried_at_close_is_bounded_by_remote_timeout_s(tmp_path, s3_remote, caplog):
+    url, options = s3_remote
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, remote=url, storage_options=options, remote_keep_last_k=1,
+                                     remote_timeout_s=1.0)
+    remote = ckpt.remote.storage = HangingCleanup(url, options)
+    ckpt.save({"w": torch.ones(4)}, step=1).wait_remote()
+    remote.cut = True
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2).wait_remote()  # step 1's removal cut: retried at close()
+    remote.cut, remote.hang = False, True
+    try:
+        with caplog.at_level(logging.WARNING, logger="lazyckpt"):
+            ckpt.close()  # returns after remote_timeout_s, not when the endpoint answers
+        assert "left for the next run" in caplog.text
+    finally:
+        remote.release.set()
+    assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000002"
 
 
 def test_a_retry_finding_only_its_commit_object_uploads_the_step_again(tmp_path, trained, s3_remote):

@@ -210,7 +210,17 @@ class RemoteLevel:
             self._thread.join()
             self._thread = None
         if self._cleanup_due is not None:  # a clean-up cut by an outage: what it left goes now, if the remote is back
-            self._prune(self._cleanup_due)
+            self._finish_cleanup_at_close(self._cleanup_due)
+
+    def _finish_cleanup_at_close(self, just_committed: int) -> None:
+        """Bounded by ``remote_timeout_s``: a remote still down must not hold ``close()`` for the storage's own
+        retries (the thread is a daemon; what it leaves is uncommitted, removed by the next run's clean-up)."""
+        thread = start_background_thread(self._prune, just_committed, True, name="lazyckpt-cleanup", nice=UPLOAD_NICE)
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            logger.warning("lazyckpt: the remote clean-up after step %d did not finish within remote_timeout_s=%gs "
+                           "at close(); what it left (uncommitted) is left for the next run", just_committed,
+                           self.timeout_s)
 
     # --- the uploader thread --------------------------------------------------------------------------------
 
@@ -302,7 +312,7 @@ class RemoteLevel:
         self.storage.close(out, sync=True)
         return offset
 
-    def _prune(self, just_committed: int) -> None:
+    def _prune(self, just_committed: int, at_close: bool = False) -> None:
         try:
             committed, partial = remote_steps(self.storage, self.url)
             for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
@@ -314,5 +324,7 @@ class RemoteLevel:
             self._cleanup_due = None
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed
             self._cleanup_due = just_committed
-            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed (tried again after the next "
-                           "remote commit and at close(); what it left is uncommitted): %r", just_committed, e)
+            then = ("left for the next run" if at_close else
+                    "tried again after the next remote commit and at close()")
+            logger.warning("lazyckpt: remote_keep_last_k clean-up after step %d failed (%s; what it left is "
+                           "uncommitted): %r", just_committed, then, e)
