@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import pathlib
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -60,47 +61,71 @@ def _allowed_types() -> set[Any]:
 
 def check_weights_only(value: Any, where: str) -> None:
     """Refuse, with a :class:`~lazyckpt.CheckpointFormatError` naming ``where`` and the key path, a ``value`` that
-    ``torch.load(weights_only=True)`` would not read back once saved: an export never writes such a file. Its
-    non-tensor part is saved and loaded once, each tensor standing in as an empty one of its dtype (cheap)."""
-    skeleton = _skeleton(value)
-    problem = _refusal(skeleton)
+    ``torch.load(weights_only=True)`` would not read back once saved: an export never writes such a file.
+
+    Only the leaves the safe unpickler could refuse are tried: plain scalars (exact ``None``, ``bool``, ``int``,
+    ``float``, ``complex``, ``str``, ``bytes``) always load, and one empty tensor stands in for all of a dtype; the
+    rest are saved and loaded once, and a refusal is narrowed down to its leaf by halving (a few more tries)."""
+    leaves, dtypes = [], set()
+    for path, leaf in _suspects(value, "state"):
+        if isinstance(leaf, torch.Tensor):  # one tensor per dtype tells all the others
+            if leaf.dtype in dtypes:
+                continue
+            dtypes.add(leaf.dtype)
+        leaves.append((path, leaf))
+    problem = _refusal([_stand_in(leaf) for _, leaf in leaves])
     if problem is None:
         return
-    path, leaf = next(((p, leaf) for p, leaf in _leaves(skeleton, "state") if _refusal([leaf])), ("", None))
-    named = f" {path} = {str(leaf)[:80]!r}" if path else ""
-    raise CheckpointFormatError(f"{where}:{named} would make torch.load(weights_only=True) refuse the exported file "
-                                f"({problem}); nothing was written")
+    while len(leaves) > 1:
+        half = leaves[:len(leaves) // 2]
+        leaves = half if _refusal([_stand_in(leaf) for _, leaf in half]) else leaves[len(leaves) // 2:]
+    path, leaf = leaves[0]
+    shown = object.__repr__(leaf) if isinstance(leaf, (list, tuple, set, frozenset, dict)) else repr(leaf)[:80]
+    raise CheckpointFormatError(
+        f"{where}: {path} = {shown[:80]} would make torch.load(weights_only=True) refuse the exported file ({problem}); "
+        "nothing was written. Save that value as plain data (dicts, lists, strings, numbers, tensors), or allow its "
+        "type with torch.serialization.add_safe_globals([...]) before exporting")
 
 
-def _skeleton(value: Any) -> Any:
+def _stand_in(leaf: Any) -> Any:
+    return torch.empty(0, dtype=leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+"""Exact types the safe unpickler always reads (a subclass, such as an IntEnum, may be refused)."""
+
+
+def _suspects(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """``(key path, leaf)`` of every leaf (dict keys included) the safe unpickler might refuse, tensors included.
+    Dicts and exact lists and tuples are walked (what ``weights_only_safe`` leaves)."""
     if isinstance(value, torch.Tensor):
-        return torch.empty(0, dtype=value.dtype)
-    if isinstance(value, dict):
-        return {k: _skeleton(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_skeleton(v) for v in value)
-    return value
-
-
-def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
+        yield path, value
+    elif isinstance(value, dict):
         for key, item in value.items():
-            yield f"{path}[{key!r}]", key
-            yield from _leaves(item, f"{path}[{key!r}]")
+            if type(key) not in _PLAIN:
+                yield f"{path} key {object.__repr__(key)}", key
+            yield from _suspects(item, f"{path}[{key!r}]")
     elif type(value) in (list, tuple):
         for i, item in enumerate(value):
-            yield from _leaves(item, f"{path}[{i}]")
-    else:
+            yield from _suspects(item, f"{path}[{i}]")
+    elif type(value) not in _PLAIN:
         yield path, value
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _refusal(value: Any) -> str | None:
-    """Why ``torch.load(weights_only=True)`` refuses ``value`` saved by ``torch.save``; None when it reads it."""
+    """Why ``torch.load(weights_only=True)`` refuses ``value`` saved by ``torch.save``; None when it reads it. The
+    reason is torch's own line naming what it refused (``Unsupported global: GLOBAL builtins.frozenset ...``)."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch's safe unpickler refuses with, it is the answer
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines() if line.strip()]
+        reason = next((line for line in lines if "Unsupported" in line or "WeightsUnpickler error" in line),
+                      lines[0] if lines else "")
+        return f"{type(e).__name__}: {reason[:300]}"
     return None

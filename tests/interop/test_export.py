@@ -220,3 +220,16 @@ def test_the_export_check_names_the_key_torch_load_would_refuse():
     with pytest.raises(lazyckpt.CheckpointFormatError,
                        match=r"ckpt: state\['a'\]\[1\]\['b'\] = .*frozenset.*weights_only=True.*nothing was written"):
         check_weights_only({"a": [torch.ones(2), {"b": frozenset({1})}]}, "ckpt")  # torch's safe unpickler refuses it
+
+
+def test_the_export_check_keeps_torchs_reason_and_finds_one_bad_leaf_among_many():
+    from lazyckpt.interop.weights_only import check_weights_only
+
+    state = {"hparams": {f"k{i}": i for i in range(5000)}, "w": [torch.ones(2)] * 100}
+    state["hparams"]["k4321"] = frozenset({1})
+    with pytest.raises(lazyckpt.CheckpointFormatError) as info:
+        check_weights_only(state, "ckpt")
+    message = str(info.value)
+    assert "state['hparams']['k4321']" in message
+    assert "Unsupported global: GLOBAL frozenset" in message and "\x1b" not in message, "torch's reason, plain"
+    assert "add_safe_globals" in message, "and the fix"
