@@ -38,6 +38,7 @@ from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, C
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.randomness import capture_rng_state, restore_rng_state
 from lazyckpt.policy.rollback import RollbackPolicy, is_nonfinite
+from lazyckpt.interop.export import export
 from lazyckpt.read.load import checkpoint_step, latest, load, verify
 from lazyckpt.read.reshard import load_into
 from lazyckpt.tree.encode import Deferred, PerRank
@@ -68,5 +69,5 @@ __all__ = sorted([
     "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "PerRank", "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
     "__version__", "capture_rng_state", "check_storable", "checkpoint_step",
-    "latest", "load", "load_into", "restore_rng_state", "verify",
+    "export", "latest", "load", "load_into", "restore_rng_state", "verify",
 ])

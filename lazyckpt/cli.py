@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -36,7 +37,7 @@ from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader, placeholders
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
-from lazyckpt.storage.urls import is_url
+from lazyckpt.storage.urls import is_url, join
 from lazyckpt.tree.decode import unflatten
 
 PROGRESS_MIN_BYTES = 256 << 20
@@ -51,6 +52,35 @@ class _Cli:
 
     def problem(self, message: str) -> None:
         self.err.print(Text(f"lazyckpt: {message}", style="red"), soft_wrap=True)
+
+    def _working(self, what: str, nbytes: int) -> Any:
+        """For a long step without a byte count (export), from ``PROGRESS_MIN_BYTES`` on: a spinner on a
+        terminal, one line in a log."""
+        if nbytes < PROGRESS_MIN_BYTES:
+            return contextlib.nullcontext()
+        if self.err.is_terminal:
+            return self.err.status(what)
+        self.err.print(what, style="dim", soft_wrap=True)
+        return contextlib.nullcontext()
+
+    def _tensor_bytes_of(self, path: str) -> int:
+        """The tensor files' bytes of a step directory (0 when they cannot be told: the reader will say why)."""
+        try:
+            return _file_bytes(self.storage, path, suffix=".safetensors")
+        except PROBLEMS:
+            return 0
+
+    def checkpoint_of(self, path: str) -> str:
+        """``path``, or its newest committed checkpoint when ``path`` is a run directory (``show`` and ``verify``
+        act on that one and say so; ``ls`` lists them all)."""
+        if self.storage.stat(join(path, MANIFEST)) is not None:
+            return path
+        newest = max(_committed_or_none(path, self.storage).items(), default=None)
+        if newest is None:
+            return path  # not a run directory either: the reader says what it is
+        self.err.print(f"{path} is a run directory: using its newest checkpoint, {newest[1]} (`lazyckpt ls {path}` "
+                       "lists them all)", style="dim", soft_wrap=True)
+        return newest[1]
 
     # --- ls -------------------------------------------------------------------------------------------------
 
@@ -112,7 +142,7 @@ class _Cli:
 
     def show(self, args: argparse.Namespace) -> int:
         try:
-            reader = CheckpointReader(args.path, self.storage)
+            reader = CheckpointReader(self.checkpoint_of(args.path), self.storage)
             if not 0 <= args.rank < reader.world_size:
                 self.problem(f"--rank {args.rank} is out of range: {reader.path} has {reader.world_size} rank(s)")
                 return 2
@@ -141,7 +171,7 @@ class _Cli:
     def _verify_one(self, path: str) -> int:
         started = time.monotonic()
         try:
-            reader = CheckpointReader(path, self.storage)
+            reader = CheckpointReader(self.checkpoint_of(path), self.storage)
         except PROBLEMS as e:
             self.problem(str(e))
             return 1
@@ -172,8 +202,11 @@ class _Cli:
     def export(self, args: argparse.Namespace) -> int:
         try:
             source = {"storage_options": args.storage_options} if is_url(args.path) else {"storage": self.storage}
-            out = export(args.path, args.out, format=args.format, key=args.key, strip_prefix=args.strip_prefix,
-                         dedupe=not args.keep_duplicates, **source)
+            nbytes = self._tensor_bytes_of(args.path)
+            with self._working(f"exporting {args.path} ({human_size(nbytes)} of tensors): reading and checking "
+                               f"every checksum, then writing {args.out}", nbytes):
+                out = export(args.path, args.out, format=args.format, key=args.key, strip_prefix=args.strip_prefix,
+                             dedupe=not args.keep_duplicates, **source)
         except PROBLEMS as e:
             self.problem(str(e))
             return 1
@@ -183,6 +216,13 @@ class _Cli:
         info = LocalStorage().stat(out)  # written locally, wherever the checkpoint was read from
         self.out.print(f"wrote {out} ({human_size(info.size if info else 0)}, {args.format})", soft_wrap=True)
         return 0
+
+
+def _committed_or_none(path: str, storage: Storage) -> dict[int, str]:
+    try:
+        return committed_steps(path, storage)
+    except PROBLEMS:
+        return {}
 
 
 def _tensor_bytes(reader: CheckpointReader) -> int:

@@ -154,3 +154,27 @@ def test_ls_shows_the_monitored_score_of_the_top_k_names_of_a_step(tmp_path, cap
     rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in out.splitlines() if line.count("│") > 3}
     assert "monitored" in out and {k: v for k, v in rows.items() if k.isdigit()} == {
         "10": "val_loss=0.75", "20": "val_loss=0.5", "30": ""}
+
+
+def test_show_and_verify_of_a_run_directory_act_on_its_newest_checkpoint(dirpath, capsys):
+    code, out, err = run(capsys, "verify", dirpath)
+    assert code == 0, err
+    assert out.startswith(f"OK {dirpath / 'step-0000020'}: step 20")
+    assert f"{dirpath} is a run directory: using its newest checkpoint, {dirpath / 'step-0000020'}" in err
+    code, out, err = run(capsys, "show", dirpath)
+    assert code == 0 and "step 20, rank 0 of 1" in out
+
+
+def test_export_says_what_it_is_doing_before_the_long_read(dirpath, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)  # as if the checkpoint were large
+    code, out, err = run(capsys, "export", dirpath / "step-0000020", tmp_path / "m.safetensors", "--format",
+                         "safetensors")
+    assert code == 0, err
+    assert f"exporting {dirpath / 'step-0000020'} (" in err and "of tensors): reading and checking every checksum" in err
+
+
+def test_the_export_function_is_part_of_the_package(dirpath, tmp_path):
+    out = lazyckpt.export(dirpath / "last.ckpt", tmp_path / "model.safetensors", format="safetensors")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(out)["0.weight"], torch.ones(4, 4))
