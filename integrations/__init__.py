@@ -14,6 +14,7 @@ on the policy layer (:mod:`lazyckpt.policy`) and holds no format, threading or r
 | ``_accelerate_state`` | what the hook reads from and restores into the prepared objects, and its torch hooks |
 | ``_accelerate_sharded`` | Accelerate's FSDP version 2: each process its own shards, resharded on resume |
 | ``_accelerate_rollback`` | ``hook.rollback()``: the loop's state into the rollback policy and back |
+| ``fabric`` | ``LazyFabricIO``: ``fabric.save``/``fabric.load`` with lazy checkpoints (the barrier is every optimizer's step pre-hook) |
 | ``url`` | ``lazyckpt://`` URLs: Lightning's own loading reads lazyckpt checkpoints |
 | ``_compat`` | every private Lightning and Accelerate attribute the adapters use, each with its reason |
 """

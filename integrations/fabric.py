@@ -1,0 +1,185 @@
+"""Lightning Fabric integration: ``fabric.save`` and ``fabric.load`` with lazy checkpoints, in Fabric's own idiom.
+
+``Fabric(plugins=[LazyFabricIO()])`` makes every ``fabric.save(path, state)`` one lazy request: ``state`` (modules
+and optimizers, which Fabric turns into their state dicts, and any other values) is captured at once, its bytes are
+copied while training goes on, and ``path`` becomes a name of the committed step directory
+(``ckpts/last.ckpt -> step-0000003``, in ``path``'s folder). The barrier is every optimizer's step pre-hook: an
+update waits only while a copy still reads the weights. ``fabric.load(path, state)`` reads a lazyckpt checkpoint
+(a name, a step directory, or a run folder: its newest step) through the strict reader; any other file goes to
+Fabric's own ``TorchCheckpointIO``.
+
+Example (docs/fabric.md has the whole loop):
+    >>> fabric = Fabric(accelerator="cpu", plugins=[LazyFabricIO(keep_last_k=3)])          # doctest: +SKIP
+    >>> fabric.save("ckpts/last.ckpt", {"model": model, "optimizer": opt, "iter": i})      # doctest: +SKIP
+    >>> remainder = fabric.load("ckpts/last.ckpt", {"model": model, "optimizer": opt})     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.files import MANIFEST
+from lazyckpt.pending import PendingCheckpoint
+from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
+from lazyckpt.read.load import latest, load
+from lazyckpt.storage import FileKind, LocalStorage
+from lazyckpt.storage.base import kind_of
+
+
+class LazyFabricIO(CheckpointIO):
+    """Fabric's ``CheckpointIO`` that saves lazily (see the module docstring).
+
+    Fabric calls ``save_checkpoint`` on the global rank 0 only (DDP: the replicated state, written once), and
+    ``load_checkpoint`` on every rank.
+
+    Args:
+        keep_last_k: keep the newest k steps of each folder, with their names (None keeps all); a step whose name
+            moved to a newer step (``fabric.save`` to the same path again) is removed unless it is one of those k.
+        **options: :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
+            ``keep_in_memory``, ``remote=``, ...), checked at construction.
+    """
+
+    def __init__(self, *, keep_last_k: int | None = None, **options: Any) -> None:
+        self.options, _ = SessionOptions.from_keywords(options, owner="LazyFabricIO", source="Fabric",
+                                                       keep_last_k=keep_last_k)
+        self._runs: dict[str, _Run] = {}
+        self._torch_io = TorchCheckpointIO()
+        self._stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hook = register_optimizer_step_pre_hook(_weakly(self._before_update))
+
+    # --- Fabric's calls -------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("LazyFabricIO takes no storage_options at save; give remote= and storage_options= to "
+                            "LazyFabricIO(...) instead")
+        name = os.path.abspath(os.fspath(path))
+        self._run_for(os.path.dirname(name)).save(name, checkpoint, list(self._stepped))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        name = os.path.abspath(os.fspath(path))
+        run = self._runs.get(os.path.dirname(name))
+        if run is not None:
+            run.names.poll(block=True)  # a name this process saved exists once its checkpoint committed
+        target = _lazyckpt_checkpoint(name)
+        if target is None:
+            return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        verify = self.options.engine.get("verify_on_load", True)
+        return load(target, map_location=map_location, verify=verify)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        name = os.path.abspath(os.fspath(path))
+        run = self._runs.get(os.path.dirname(name))
+        if run is not None and name in run.names:
+            run.names.drop(name)
+            run.names.submit()
+        else:
+            self._torch_io.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.close()
+
+    # --- the rest -------------------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every requested checkpoint is committed and its name in place (re-raises a failure)."""
+        for run in self._runs.values():
+            run.names.poll(block=True)
+            run.session.engine.wait_staged()
+
+    def close(self) -> None:
+        """Finish every checkpoint in flight and put its name in place; release the folders. Idempotent."""
+        runs, self._runs = self._runs, {}
+        for run in runs.values():
+            run.names.close(raise_errors=True)
+
+    @property
+    def stalls(self) -> dict[int, float]:
+        """Training-thread seconds each checkpoint cost, by step (capture, request and the first barrier)."""
+        return {step: s for run in self._runs.values() for step, s in run.session.stalls.items()}
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Every optimizer's step pre-hook: the barrier; and the optimizers seen stepping are the ones whose
+        parameters and state the next saves copy lazily (they stay unchanged until this hook runs again)."""
+        self._stepped.add(optimizer)
+        for run in list(self._runs.values()):
+            run.session.barrier()
+
+    def _run_for(self, dirpath: str) -> _Run:
+        run = self._runs.get(dirpath)
+        if run is None:
+            session = CheckpointSession(dirpath, self.options, rank=0, world_size=1, engine_retention=False)
+            run = self._runs[dirpath] = _Run(session)
+        return run
+
+    def __del__(self) -> None:
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+
+
+class _Run:
+    """One folder's session and the names of its checkpoints; steps count on from the newest committed one."""
+
+    def __init__(self, session: CheckpointSession) -> None:
+        self.session = session
+        self._state: tuple[dict[str, Any], list[torch.optim.Optimizer]] | None = None
+        self.names = CheckpointNames(session, self._request)
+        self._named: dict[str, int] = {}
+        """This run's names and the steps they point at (for ``keep_last_k``)."""
+        self._next = max(committed_steps(session.dirpath, session.storage), default=0) + 1
+
+    def save(self, name: str, checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
+        step, self._next = self._next, self._next + 1
+        self._state = (checkpoint, optimizers)
+        with self.names.deciding():
+            self.names.plan(step, name)
+            self._named[name] = step
+            self._retire_names(self.session.options.keep_last_k)
+
+    def _retire_names(self, keep: int | None) -> None:
+        """With ``keep_last_k``: the names of steps beyond the newest k go once the new step commits (then the
+        steps themselves, which nothing keeps any more)."""
+        if keep is None:
+            return
+        kept = sorted(set(self._named.values()))[-keep:]
+        for name, step in list(self._named.items()):
+            if step not in kept:
+                self.names.drop(name)
+                del self._named[name]
+
+    def _request(self, step: int) -> PendingCheckpoint | None:
+        checkpoint, optimizers = self._state
+        self._state = None
+        return self.session.save(step, replicated=checkpoint, per_rank={}, optimizers=optimizers)
+
+
+def _weakly(method: Any) -> Any:
+    """A global hook that does not keep its plugin alive (a dropped one is freed, and its hook removed)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
+
+
+def _lazyckpt_checkpoint(name: str) -> str | None:
+    """The lazyckpt checkpoint ``name`` stands for: itself (a step directory, or a name linking to one), the newest
+    step of a run folder, or None (an ordinary file, or nothing)."""
+    storage = LocalStorage()
+    if kind_of(storage, name) is not FileKind.DIR:
+        return None
+    return name if kind_of(storage, os.path.join(name, MANIFEST)) is FileKind.FILE else latest(name)
+
+
+__all__ = ["LazyFabricIO"]
