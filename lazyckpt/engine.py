@@ -272,6 +272,7 @@ class LazyCheckpointer:
                 self._ends.drain(job, deliver=False)
             if self.remote is not None:
                 self.remote.close()
+                self._purge_after_uploads()
         finally:
             self._closed = True
             _OPEN.discard(self)
@@ -284,6 +285,14 @@ class LazyCheckpointer:
             self._lock.release()
         if (error := self._earlier_failure()) is not None:
             raise error
+
+    def _purge_after_uploads(self) -> None:
+        """At close, every upload has ended: apply ``keep_last_k`` to the steps they held (normally the uploader
+        thread did already; a failed upload's step awaited its retry until now)."""
+        try:
+            self._steps.purge()
+        except Exception as e:  # noqa: BLE001 - every checkpoint is committed; only clean-up failed
+            logger.warning("lazyckpt: keep_last_k clean-up at close failed: %r", e)
 
     def __enter__(self) -> LazyCheckpointer:
         return self
