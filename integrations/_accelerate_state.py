@@ -35,7 +35,9 @@ class Boundary:
 
     step: int
     per_process: dict[str, Any]
-    started: float
+    capture_s: float
+    """Training-thread time the capture took: part of the checkpoint's stall, unlike the loop's own work between
+    the boundary and the request (its epilogue, the next batch fetch)."""
 
 
 @dataclass
@@ -120,7 +122,8 @@ class PreparedRun:
         """Request the checkpoint of the iteration ``boundary`` ended, lazily: the replicated state is read now
         (its tensors copied while training goes on), this process's own values were read at the boundary."""
         return session.save(boundary.step, replicated=self.replicated, per_rank=boundary.per_process,
-                            optimizers=self.optimizers, immutable=self.models, started=boundary.started)
+                            optimizers=self.optimizers, immutable=self.models,
+                            started=time.monotonic() - boundary.capture_s)
 
     def boundary(self, step: int) -> Boundary:
         """This process's RNG states and loader positions as of the end of the current iteration."""
@@ -132,7 +135,7 @@ class PreparedRun:
                        "process_index": accelerator.process_index, "accelerator_step": int(accelerator.step),
                        "rng": capture_rng(self.generators()), "dataloaders": loaders,
                        "mid_epoch": _mid_epoch(accelerator.gradient_state)}
-        return Boundary(step=step, per_process=per_process, started=started)
+        return Boundary(step=step, per_process=per_process, capture_s=time.monotonic() - started)
 
     def replicated(self) -> dict[str, Any]:
         scaler = getattr(self.accelerator, "scaler", None)

@@ -268,8 +268,8 @@ class LazyCheckpointer:
         if self._pid != os.getpid():
             return  # a forked child (e.g. a DataLoader worker) owns none of the parent's threads or files
         try:
-            for job in self._inflight.unfinished():
-                self._ends.drain(job, deliver=False)
+            for job in self._inflight.unfinished():  # the run is over: waiting for them stalls no training
+                self._ends.drain(job, deliver=False, stall=False)
             if self.remote is not None:
                 self.remote.close()
                 self._purge_after_uploads()
