@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from lazyckpt.pending import PendingCheckpoint
-from lazyckpt.policy import (CheckpointSession, RunLayout, UpdateLoop, capture_rng, check_fits, find_generators,
-                             restore_rng)
+from lazyckpt.policy import (CheckpointSession, ContinuedEpoch, RunLayout, UpdateLoop, capture_rng, check_fits,
+                             find_generators, restore_rng)
 from lazyckpt.storage.urls import options_for
 
 from . import _accelerate_sharded as sharded
@@ -35,7 +35,9 @@ class Boundary:
 
     step: int
     per_process: dict[str, Any]
-    started: float
+    capture_s: float
+    """Training-thread time the capture took: part of the checkpoint's stall, unlike the loop's own work between
+    the boundary and the request (its epilogue, the next batch fetch)."""
 
 
 @dataclass
@@ -53,6 +55,8 @@ class PreparedRun:
     """FSDP version 2: the model and optimizer states are DTensors, saved and restored by name and resharded."""
     handles: list[Any] = field(default_factory=list)
     """The torch and Accelerate hooks of :meth:`hook_into`, until :meth:`unhook`."""
+    continued: ContinuedEpoch = field(default_factory=ContinuedEpoch)
+    """Armed by a mid-epoch restore, settled at the next forward (the continuing loader's extra draw)."""
 
     def hook_into(self, loop: UpdateLoop[Boundary]) -> None:
         """Translate the torch and Accelerate events into calls on ``loop``: an inner optimizer's step post-hook is
@@ -65,10 +69,15 @@ class PreparedRun:
             handles.append(optimizer.register_step_post_hook(
                 lambda *_, index=index: loop.updated(index, optimizers=optimizers, capture=self.boundary)))
         # prepend: before FSDP2's own pre-forward unshards the parameters (a state dict taken then would reshard them)
-        handles += [model.register_forward_pre_hook(lambda *_: loop.forward(), prepend=True) for model in self.models]
+        handles += [model.register_forward_pre_hook(lambda *_: self.forward(loop), prepend=True)
+                    for model in self.models]
         handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: loop.drain()))
         handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: loop.drain()))
         self.accelerator.register_for_checkpointing(self.hook)
+
+    def forward(self, loop: UpdateLoop[Boundary]) -> None:
+        self.continued.settle()  # before the forward draws (dropout)
+        loop.forward()
 
     def unhook(self) -> None:
         """Remove the hooks of :meth:`hook_into`."""
@@ -103,6 +112,8 @@ class PreparedRun:
         return [o for o in _compat.prepared(self.accelerator).objects if o is not self.hook]
 
     def generators(self) -> dict[str, torch.Generator]:
+        for sampler in _compat.seedable_samplers(self.dataloaders):  # otherwise created only at its first iter()
+            _compat.create_sampler_generator(sampler)
         return find_generators(self.dataloaders, "dataloader")
 
     # --- capture ----------------------------------------------------------------------------------------------
@@ -111,7 +122,8 @@ class PreparedRun:
         """Request the checkpoint of the iteration ``boundary`` ended, lazily: the replicated state is read now
         (its tensors copied while training goes on), this process's own values were read at the boundary."""
         return session.save(boundary.step, replicated=self.replicated, per_rank=boundary.per_process,
-                            optimizers=self.optimizers, immutable=self.models, started=boundary.started)
+                            optimizers=self.optimizers, immutable=self.models,
+                            started=time.monotonic() - boundary.capture_s)
 
     def boundary(self, step: int) -> Boundary:
         """This process's RNG states and loader positions as of the end of the current iteration."""
@@ -121,8 +133,9 @@ class PreparedRun:
         loaders = [_loader_position(dl, id(dl) in active) for dl in self.dataloaders]
         per_process = {"format": FORMAT, "step": step, "world_size": accelerator.num_processes,
                        "process_index": accelerator.process_index, "accelerator_step": int(accelerator.step),
-                       "rng": capture_rng(self.generators()), "dataloaders": loaders}
-        return Boundary(step=step, per_process=per_process, started=started)
+                       "rng": capture_rng(self.generators()), "dataloaders": loaders,
+                       "mid_epoch": _mid_epoch(accelerator.gradient_state)}
+        return Boundary(step=step, per_process=per_process, capture_s=time.monotonic() - started)
 
     def replicated(self) -> dict[str, Any]:
         scaler = getattr(self.accelerator, "scaler", None)
@@ -209,6 +222,8 @@ class PreparedRun:
                 dl.load_state_dict(saved["state"])
         if own.get("rng") is not None:  # none saved (a process new to the run): it keeps its RNG states
             restore_rng(own["rng"], self.generators())
+            if own.get("mid_epoch"):
+                self.continued.arm()
         self.accelerator.step = own["accelerator_step"]
 
     def restore_replicated(self, shared: dict[str, Any]) -> None:
@@ -236,3 +251,9 @@ def _loader_position(dl: Any, active: bool) -> dict[str, Any]:
         iteration += 1  # the last batch was yielded; the loader bumps its epoch only when the loop asks again
     state = dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
     return {"iteration": iteration, "state": state}
+
+
+def _mid_epoch(gradient_state: Any) -> bool:
+    """A loader (prepared or made by ``skip_first_batches``) is inside an epoch with batches left: the next fetch
+    continues its iterator, which a resumed run has to create anew."""
+    return bool(gradient_state.in_dataloader and not gradient_state.end_of_dataloader)

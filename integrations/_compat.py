@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 # --- Lightning ------------------------------------------------------------------------------------------------
 
 _REFUSED = ("FSDPStrategy", "DeepSpeedStrategy")
@@ -145,6 +147,34 @@ def inner_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside an ``AcceleratedOptimizer``: the wrapper never calls ``Optimizer.__init__``, so
     torch's step hooks and a plain ``state_dict`` live on the wrapped one."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def seedable_samplers(dataloaders: list[Any]) -> list[Any]:
+    """Accelerate's ``SeedableRandomSampler`` of each loader that has one (``use_seedable_sampler=True``, which
+    ``prepare`` puts at ``batch_sampler.sampler``, or at ``batch_sampler.batch_sampler.sampler`` under a shard)."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    found = []
+    for dl in dataloaders:
+        holder = getattr(dl, "batch_sampler", None)
+        for _ in range(2):
+            sampler = getattr(holder, "sampler", None)
+            if isinstance(sampler, SeedableRandomSampler):
+                found.append(sampler)
+                break
+            holder = getattr(holder, "batch_sampler", None)
+    return found
+
+
+def create_sampler_generator(sampler: Any) -> None:
+    """Give a ``SeedableRandomSampler`` the generator its first ``__iter__`` would create (Accelerate 1.x creates it
+    there, seeded with ``initial_seed``): a checkpoint taken after the first epoch began holds its state, and a
+    resume before the first ``iter()`` must find it to restore it. ``__iter__`` then reseeds it with
+    ``initial_seed + epoch`` as before, so this changes no permutation."""
+    if sampler.generator is None:
+        device = torch.get_default_device() if hasattr(torch, "get_default_device") else "cpu"
+        sampler.generator = torch.Generator(device=device)
+        sampler.generator.manual_seed(sampler.initial_seed)
 
 
 _UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")

@@ -270,10 +270,11 @@ class LazyCheckpointer:
         if self._pid != os.getpid():
             return  # a forked child (e.g. a DataLoader worker) owns none of the parent's threads or files
         try:
-            for job in self._inflight.unfinished():
-                self._ends.drain(job, deliver=False)
+            for job in self._inflight.unfinished():  # the run is over: waiting for them stalls no training
+                self._ends.drain(job, deliver=False, stall=False)
             if self.remote is not None:
                 self.remote.close()
+                self._purge_after_uploads()
         finally:
             self._closed = True
             _OPEN.discard(self)
@@ -286,6 +287,14 @@ class LazyCheckpointer:
             self._lock.release()
         if (error := self._earlier_failure()) is not None:
             raise error
+
+    def _purge_after_uploads(self) -> None:
+        """At close, every upload has ended: apply ``keep_last_k`` to the steps they held (normally the uploader
+        thread did already; a failed upload's step awaited its retry until now)."""
+        try:
+            self._steps.purge()
+        except Exception as e:  # noqa: BLE001 - every checkpoint is committed; only clean-up failed
+            logger.warning("lazyckpt: keep_last_k clean-up at close failed: %r", e)
 
     def __enter__(self) -> LazyCheckpointer:
         return self

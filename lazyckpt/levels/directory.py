@@ -5,7 +5,7 @@ Each rank locks the directory for itself (a second live checkpointer of the same
 the ranks that share a directory agree on its leader, which clears the leftovers of a crash; only the leader
 renames or deletes in the directory, so ranks sharing it never race. ``latest()`` must be the checkpoint
 of the run that is training now, so a save of a step lower than a committed one is refused or the newer ones are
-moved aside; ``keep_last_k`` removes the oldest after each commit, never one still uploading.
+moved aside; ``keep_last_k`` removes the oldest after each commit, never one still uploading (that one goes once its upload ends).
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ class CommittedSteps:
         """Cache of the newest committed step (None: list the directory when next needed)."""
         self._newest_lock = threading.Lock()
         """Held while the cache is read and refreshed: a commit landing during a listing must not be lost."""
+        self._purge_lock = threading.Lock()
+        """One purge at a time: the commit thread's after a commit, the uploader thread's after an upload."""
+        if remote is not None:
+            remote.on_released = lambda step: self.purge()
 
     @property
     def leads(self) -> bool:
@@ -111,16 +115,20 @@ class CommittedSteps:
             if self._newest is not None:
                 self._newest = max(self._newest, step)
 
-    def purge(self, just_committed: int) -> None:
-        """Commit thread, after the new step went to the remote level: on the leading rank, apply ``keep_last_k``
-        (never to a step the remote level still uploads)."""
-        if not self.leads:
+    def purge(self, just_committed: int | None = None) -> None:
+        """On the leading rank, apply ``keep_last_k`` (never to a step the remote level still holds, nor to the
+        newest or ``just_committed``). Called by the commit thread after a commit (the new step went to the remote
+        level first), by the uploader thread once a held step's upload ends, and by ``close()`` once all ended."""
+        if not self.leads or self.config.keep_last_k is None:
             return
-        steps = committed_steps(self.dirpath, self.storage)
-        uploading = [s for s in steps if self._remote is not None and self._remote.holds(s)]
-        for step in steps_to_purge(list(steps), self.config.keep_last_k, just_committed=just_committed,
-                                   protected=uploading):  # purged by a later commit once uploaded
-            self.remove(step)
+        with self._purge_lock:
+            steps = list(committed_steps(self.dirpath, self.storage))
+            if not steps:
+                return
+            uploading = [s for s in steps if self._remote is not None and self._remote.holds(s)]
+            newest = max(steps) if just_committed is None else just_committed
+            for step in steps_to_purge(steps, self.config.keep_last_k, just_committed=newest, protected=uploading):
+                self.remove(step)
 
 
 class DirectoryLock:

@@ -11,7 +11,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``steps`` | :class:`StepCounter`: steps from optimizer updates, when a checkpoint is due; :class:`StepRequests` |
 | ``loop`` | :class:`UpdateLoop`: capture, request and barrier around the updates of a loop driven by optimizer hooks, the rollback's start, close |
 | ``names`` | :class:`CheckpointNames`: names that follow commits; named steps are protected from retention; :data:`NO_NAMES` outside a fit |
-| ``randomness`` | RNG states (``lazyckpt.capture_rng_state``) and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore |
+| ``randomness`` | RNG states (``lazyckpt.capture_rng_state``) and the generators behind data loaders; :class:`ResumedRng`: a loaded state until its restore; :class:`ContinuedEpoch`: a mid-epoch resume's extra draw undone |
 | ``rollback`` | :class:`RollbackPolicy`: the target of a rollback on a non-finite loss, and how many in a row |
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed; :class:`Reporter`: where they go |
@@ -28,7 +28,7 @@ from lazyckpt.policy.loop import UpdateLoop
 from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import (EngineOptions, SessionOptions, check_max_rollbacks, project_defaults,
                                      url_dirpath_levels)
-from lazyckpt.policy.randomness import ResumedRng, capture_rng, find_generators, restore_rng
+from lazyckpt.policy.randomness import ContinuedEpoch, ResumedRng, capture_rng, find_generators, restore_rng
 from lazyckpt.policy.resume import newest_checkpoint, resume_target
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession
@@ -36,7 +36,7 @@ from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
 __all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "EngineOptions",
-           "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
+           "ContinuedEpoch", "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
            "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
            "is_nonfinite", "newest_checkpoint", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",

@@ -4,7 +4,8 @@
 generator a training loop depends on, as a plain tree lazyckpt stores without pickle. One way to find a loader's
 generators serves every integration, and the captured tree holds only tensors and
 plain values, so a Lightning checkpoint exported from it loads under ``torch.load(weights_only=True)``.
-:class:`ResumedRng` holds a loaded checkpoint's state until the run's loaders exist to restore it into.
+:class:`ResumedRng` holds a loaded checkpoint's state until the run's loaders exist to restore it into;
+:class:`ContinuedEpoch` undoes the one draw a loader resumed mid-epoch takes that the uninterrupted run took before.
 
 Example:
     >>> state = capture_rng_state()
@@ -123,4 +124,36 @@ class ResumedRng:
             return False
         state, self._state = self._state, None
         restore_rng(state, generators())
+        return True
+
+
+class ContinuedEpoch:
+    """Undo the draw from torch's global RNG that a run resumed mid-epoch makes and the uninterrupted run did not.
+
+    torch's ``DataLoader`` draws its iterator's base seed from the global RNG (a loader without a ``generator``)
+    when an iterator is created: the uninterrupted run did so when the epoch began, before the checkpoint; the
+    resumed run does it again when it iterates the rest of the epoch, after the restore, so every later draw
+    (dropout) would be shifted by one. :meth:`arm` at the restore notes the state after exactly that one draw;
+    :meth:`settle` at the first forward puts the restored state back when that, and nothing else, was drawn
+    since (anything else: it leaves the state alone).
+    """
+
+    def __init__(self) -> None:
+        self._states: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def arm(self) -> None:
+        """Right after restoring the RNG states of a checkpoint taken mid-epoch."""
+        restored = torch.get_rng_state()
+        torch.empty((), dtype=torch.int64).random_()  # what _BaseDataLoaderIter.__init__ draws
+        self._states = (restored, torch.get_rng_state())
+        torch.set_rng_state(restored)
+
+    def settle(self) -> bool:
+        """At the first forward after the restore; True when it put the restored state back."""
+        if self._states is None:
+            return False
+        (restored, after_one_draw), self._states = self._states, None
+        if not torch.equal(torch.get_rng_state(), after_one_draw):
+            return False
+        torch.set_rng_state(restored)
         return True

@@ -204,9 +204,10 @@ class JobEnds:
 
     # --- the training thread --------------------------------------------------------------------------------
 
-    def barrier(self, job: CheckpointJob, timeout: float | None = None) -> bool:
+    def barrier(self, job: CheckpointJob, timeout: float | None = None, *, stall: bool = True) -> bool:
         """Wait until ``job`` is staged, evaluate its Deferred leaves, and pass. Returns False when ``timeout``
-        ran out first (the barrier is then still ahead)."""
+        ran out first (the barrier is then still ahead). ``stall=False``: the wait is not training time (the drain
+        at ``close()``), so it is not added to the job's ``wait_s``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not job.barrier_lock.acquire(timeout=-1 if deadline is None else remaining(deadline)):
             return False
@@ -218,16 +219,18 @@ class JobEnds:
                 return False
             owns_commit = self._complete_tree(job)
             job.barrier_passed = True
-            job.stats.wait_s += time.monotonic() - started
+            if stall:
+                job.stats.wait_s += time.monotonic() - started
         finally:
             job.barrier_lock.release()
         if owns_commit:  # the writer already closed the file: it will not commit this job, so queue it here
             self._writer.submit(CallTask(job, lambda: self._commit_off_writer(job), always=True))
         return True
 
-    def drain(self, job: CheckpointJob, *, deliver: bool = True) -> None:
-        """Pass ``job``'s barrier and wait until it ended; raise its failure when ``deliver``."""
-        self.barrier(job)
+    def drain(self, job: CheckpointJob, *, deliver: bool = True, stall: bool = True) -> None:
+        """Pass ``job``'s barrier and wait until it ended; raise its failure when ``deliver`` (``stall``: as for
+        :meth:`barrier`)."""
+        self.barrier(job, stall=stall)
         job.wait_done()
         if deliver:
             deliver_error(job)

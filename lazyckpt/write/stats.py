@@ -17,7 +17,8 @@ class CheckpointStats:
     save_s: float = 0.0
     """Training-thread time inside ``save()``."""
     wait_s: float = 0.0
-    """Training-thread time inside the barrier (``wait_staged()``)."""
+    """Training-thread time inside the barrier (``wait_staged()``); not the drain at ``close()``, when training is
+    over."""
     copy_s: float = 0.0
     """From the request until every lazy byte was staged in host memory."""
     flush_s: float = 0.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
-from conftest import assert_tree_equal, clone_tree
+from conftest import GatedBackend, assert_tree_equal, clone_tree
 
 import lazyckpt
 from lazyckpt import LazyCheckpointHook
@@ -439,6 +441,51 @@ def test_stalls_are_recorded_per_checkpoint(tmp_path):
     hook.close()
     assert sorted(hook.stalls) == [2, 4]
     assert all(0 < s < 5 for s in hook.stalls.values())
+
+
+class SlowFetch(torch.utils.data.Dataset):
+    """Samples whose fetch does known work outside lazyckpt (a timed wait); ``took`` records each fetch's time."""
+
+    def __init__(self, samples: int, work_s: float) -> None:
+        self.samples, self.work_s, self.took = samples, work_s, []
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        started = time.monotonic()
+        threading.Event().wait(self.work_s)
+        self.took.append(time.monotonic() - started)
+        return torch.full((4,), float(index))
+
+
+def test_stalls_count_lazyckpt_time_only_not_the_loops_batch_fetch_nor_the_drain_at_close(tmp_path):
+    work_s = 0.2
+    acc = Accelerator(cpu=True)
+    data = SlowFetch(6, work_s)
+    model = torch.nn.Linear(4, 2)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     torch.utils.data.DataLoader(data, batch_size=1))
+    backend = GatedBackend()
+    hook = LazyCheckpointHook(tmp_path, every_n_steps=2, backend=backend)
+    # right before lazyckpt's barrier of update 3, whose copy (of step 2) waits at the gate: known work inside lazyckpt
+    opt.optimizer.register_step_pre_hook(
+        lambda *_: threading.Timer(work_s, backend.gate.set).start() if hook.step == 2 else None)
+    hook.register(acc)
+    for batch in loader:
+        acc.backward(model(batch).sum())
+        opt.step()
+        opt.zero_grad()
+    backend.gate.clear()  # step 6 goes out at close(), its copy held there: the drain waits
+    threading.Timer(work_s, backend.gate.set).start()
+    hook.close()
+    engine = {stats.step: stats for stats in hook.checkpointer.stats}
+    assert sorted(hook.stalls) == sorted(engine) == [2, 4, 6]
+    assert engine[2].wait_s > 0, "step 2's copy held the barrier"
+    for step in (2, 4, 6):
+        assert hook.stalls[step] >= engine[step].stall_s, "everything the engine counts"
+        assert hook.stalls[step] - engine[step].stall_s < min(data.took), "none of the loop's batch fetch"
+    assert engine[6].wait_s == 0.0, "the drain at close() is no training stall"
 
 
 def test_the_short_name_is_the_integration_class():

@@ -205,6 +205,52 @@ def test_local_retention_never_deletes_a_checkpoint_that_is_still_uploading(tmp_
     assert lazyckpt.latest(url, storage_options=options) == f"{url}/step-0000002"
 
 
+class GatedFailingRemote(GatedRemote):
+    """A gated remote whose uploads then fail (the connection is lost once the gate opens)."""
+
+    def upload_file(self, local_path, path):
+        if path.endswith(".json"):
+            self.gate.wait()
+            raise ConnectionError(f"connection to the object store lost (injected) while writing {path}")
+        super().upload_file(local_path, path)
+
+
+def _step_3_committed_while_step_2_uploads(tmp_path, trained, url, options, remote_class):
+    """keep_last_k=1, uploads of every 2nd step through a gated ``remote_class``: step 3 is committed while step 2
+    waits at the gate. Returns ``(checkpointer, the remote, step 2's handle)``."""
+    model, opt = trained
+    ckpt = lazyckpt.LazyCheckpointer(tmp_path, keep_last_k=1, remote=url, remote_every_n=2, storage_options=options)
+    gated = ckpt.remote.storage = remote_class(url, options)
+    uploading = ckpt.save(snapshot(model, opt), step=2, optimizers=[opt])
+    gated.entered.wait()
+    step(model, opt, seed=3)
+    ckpt.save(snapshot(model, opt), step=3, optimizers=[opt]).wait()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2, 3], "step 2 is still uploading"
+    return ckpt, gated, uploading
+
+
+def test_a_step_kept_while_it_uploaded_is_purged_as_soon_as_its_upload_ends(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    ckpt, gated, uploading = _step_3_committed_while_step_2_uploads(tmp_path, trained, url, options, GatedRemote)
+    gated.gate.set()
+    assert uploading.wait_remote() == f"{url}/step-0000002"
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [3], "purged when its upload ended"
+    ckpt.close()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [3]
+
+
+def test_a_step_whose_upload_failed_is_kept_for_its_retry_and_purged_at_close(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    ckpt, gated, failing = _step_3_committed_while_step_2_uploads(tmp_path, trained, url, options,
+                                                                  GatedFailingRemote)
+    gated.gate.set()
+    with pytest.raises(ConnectionError, match="injected"):
+        failing.wait_remote()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2, 3], "step 2 awaits its retry"
+    ckpt.close()  # its failure was delivered by wait_remote()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [3], "no retry comes after close()"
+
+
 def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
     from lazyckpt.policy import CheckpointSession, SessionOptions
 

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,9 @@ class RemoteLevel:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[RemoteUpload, str] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.on_released: Callable[[int], None] | None = None
+        """Called on the uploader thread once a step is no longer held (:meth:`holds`): local retention may
+        purge it now rather than at the next commit."""
 
     def _probe(self) -> None:
         try:
@@ -179,9 +183,11 @@ class RemoteLevel:
             upload.done.set()
 
     def holds(self, step: int) -> bool:
-        """True while the local checkpoint of ``step`` is still being uploaded (local retention must wait)."""
-        upload = self._uploads.get(step)
-        return upload is not None and not upload.done.is_set()
+        """True while the local checkpoint of ``step`` is still being uploaded or awaits its one retry (local
+        retention must wait)."""
+        with self._lock:
+            upload = self._uploads.get(step)
+            return (upload is not None and not upload.done.is_set()) or any(u.step == step for u, _ in self._to_retry)
 
     def take_error(self) -> BaseException | None:
         """The first upload failure not reported yet, now reported (the later ones are logged)."""
@@ -211,6 +217,10 @@ class RemoteLevel:
             self._thread = None
         if self._cleanup_due is not None:  # a clean-up cut by an outage: what it left goes now, if the remote is back
             self._finish_cleanup_at_close(self._cleanup_due)
+        with self._lock:  # no commit comes to retry them: local retention may take their steps now
+            for upload, _ in self._to_retry:
+                logger.warning("lazyckpt: the failed upload of step %d is not retried (closed)", upload.step)
+            self._to_retry = []
 
     def _finish_cleanup_at_close(self, just_committed: int) -> None:
         """Bounded by ``remote_timeout_s``: a remote still down must not hold ``close()`` for the storage's own
@@ -249,7 +259,16 @@ class RemoteLevel:
                 with self._lock:
                     if self._uploads.get(upload.step) is upload:  # not its retry, registered meanwhile
                         del self._uploads[upload.step]
+                self._release(upload.step)  # before done: whoever waits for the upload sees retention applied
                 upload.done.set()
+
+    def _release(self, step: int) -> None:
+        if self.on_released is None or self.holds(step):
+            return
+        try:
+            self.on_released(step)
+        except Exception as e:  # noqa: BLE001 - the upload is finished; only the local clean-up failed
+            logger.warning("lazyckpt: local keep_last_k clean-up after the upload of step %d failed: %r", step, e)
 
     def _upload(self, upload: RemoteUpload, local_dir: str) -> int:
         """This rank's files, then the meeting after which rank 0 writes the commit object; returns the bytes."""
