@@ -47,7 +47,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         keep_in_memory: keep the newest snapshot in host memory too (docs/rollback.md).
         rollback_on_nonfinite: on a nan/inf training loss (any rank), restore model, optimizers, LR schedulers
             and AMP scaler from the newest snapshot before that step and go on (needs ``save_weights_only=False``).
-        **kwargs: every ``ModelCheckpoint`` argument, with its meaning; and ``remote``, ``remote_every_n``,
+        *args, **kwargs: every ``ModelCheckpoint`` argument, with its meaning, positional ones in its order
+            (``LazyCheckpoint("runs/ckpt", "best-{epoch}", "val_loss")``); and ``remote``, ``remote_every_n``,
             ``remote_keep_last_k``, ``storage_options``, ``max_rollbacks`` (see ``lazyckpt.policy.SessionOptions``).
 
     Example:
@@ -59,7 +60,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     _io_class: ClassVar[type]
     _barrier_class: ClassVar[type]
 
-    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, keep_last_k: int | None = None,
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *args: Any, keep_last_k: int | None = None,
                  host_buffer_bytes: int | None = None,
                  copy_backend: Literal["auto", "cpu", "cuda", "triton"] = "auto",
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
@@ -70,7 +71,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         options, kwargs = SessionOptions.from_keywords(kwargs, owner="LazyCheckpoint", source="the trainer",
                                                        keep_last_k=keep_last_k, engine=engine)
         dirpath, self.options = url_dirpath_levels(dirpath, options)  # ModelCheckpoint's names need a local dir
-        super().__init__(dirpath=dirpath, **kwargs)
+        super().__init__(dirpath, *args, **kwargs)  # positional ones in ModelCheckpoint's order (filename, ...)
         LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)
         self.rollback_on_nonfinite = rollback_on_nonfinite
         self._rollback: LightningRollback | None = None

@@ -122,10 +122,19 @@ class CommittedSteps:
 
 
 class DirectoryLock:
-    """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies)."""
+    """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies).
 
-    def __init__(self, dirpath: str, rank: int, storage: Storage) -> None:
+    ``made``: the caller created ``dirpath`` for this job. Such a directory, or one holding only other ranks' locks
+    (a peer of this job made it), is this job's: :meth:`release` with ``tidy`` removes the lock file and, when that
+    leaves it empty, the directory, so a job that saved nothing leaves nothing behind (in a directory it did not
+    make, the lock file goes; the directory stays).
+    """
+
+    def __init__(self, dirpath: str, rank: int, storage: Storage, *, made: bool = False) -> None:
         self.path = os.path.join(dirpath, f".lock-rank{rank:05d}")
+        self._dirpath, self._storage = dirpath, storage
+        names = storage.list_dir(dirpath)
+        self._ours = made or (bool(names) and all(_is_lock(n) for n in names))
         try:
             self._lock: StorageLock | None = storage.lock(self.path)
         except BlockingIOError:
@@ -134,10 +143,21 @@ class DirectoryLock:
                 "another dirpath"
             ) from None
 
-    def release(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+    def release(self, *, tidy: bool = False) -> None:
+        """Unlock; with ``tidy``, leave nothing in a directory of this job that holds nothing but locks."""
+        if self._lock is None:
+            return
+        unused = tidy and all(_is_lock(n) for n in self._storage.list_dir(self._dirpath))
+        if unused and self._storage.stat(self.path) is not None:
+            self._storage.remove_file(self.path)  # while still held: no other writer can hold this file meanwhile
+        self._lock.release()
+        self._lock = None
+        if unused and self._ours and not self._storage.list_dir(self._dirpath):
+            self._storage.remove_tree(self._dirpath)
+
+
+def _is_lock(name: str) -> bool:
+    return name.startswith(".lock-rank")
 
 
 def remove_partials(dirpath: str, storage: Storage) -> list[str]:

@@ -116,3 +116,27 @@ def test_every_argument_has_help_that_lightning_cli_shows_and_engine_options_are
         parser.parse_args(["--cb.engine_options", '{"fsinc": false}'])
     with pytest.raises((jsonargparse.ArgumentError, SystemExit)):
         parser.parse_args(["--cb.on_busy", "later"])
+
+
+def test_model_checkpoint_arguments_are_accepted_positionally_in_its_order(tmp_path):
+    import inspect
+
+    positional = list(inspect.signature(ModelCheckpoint.__init__).parameters)[2:]  # after self, dirpath
+    values = dict(filename="best-{epoch}", monitor="val_loss", verbose=False, save_last=True, save_top_k=2)
+    args = [values[name] for name in positional[:positional.index("save_top_k") + 1]]
+    plain, lazy = ModelCheckpoint(str(tmp_path), *args), LazyCheckpoint(str(tmp_path), *args)
+    for name, value in values.items():
+        assert getattr(lazy, name) == getattr(plain, name) == value, name
+
+
+def test_a_fit_that_saved_nothing_leaves_no_directory_and_no_lock(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    callback = LazyCheckpoint(dirpath, every_n_train_steps=100)
+    pl.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0).fit(TinyModel())
+    assert not dirpath.exists(), sorted(os.listdir(dirpath))
+    kept = tmp_path / "made-by-the-user"
+    kept.mkdir()
+    pl.Trainer(max_steps=2, callbacks=[LazyCheckpoint(kept, every_n_train_steps=100)], logger=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(TinyModel())
+    assert kept.is_dir() and os.listdir(kept) == [], "a directory the user made stays, emptied of the lock"
