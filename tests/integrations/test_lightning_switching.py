@@ -183,3 +183,39 @@ def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, monk
     assert summary["lazyckpt/written_mb"] == pytest.approx(sum(s.nbytes for s in callback.stats) / 1e6)
     assert summary["lazyckpt/stall_max_ms"] == pytest.approx(1e3 * max(s.stall_s for s in callback.stats))
     assert [line for line in lines if line.startswith("lazyckpt: 4 checkpoints committed")]
+
+
+def _top_k_fit(callback_class, dirpath, max_epochs, resume=None, plugins=()):
+    pl.seed_everything(0, verbose=False)
+    callback = callback_class(dirpath, monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[callback], plugins=list(plugins), **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path=resume)
+    return callback
+
+
+@pytest.mark.filterwarnings("error:Be aware that when using")  # Lightning asking for the callback that saved it
+@pytest.mark.parametrize("first, then", [
+    pytest.param(pl.callbacks.ModelCheckpoint, LazyCheckpoint, id="model-checkpoint-to-lazy"),
+    pytest.param(LazyCheckpoint, pl.callbacks.ModelCheckpoint, id="lazy-to-model-checkpoint"),
+])
+def test_switching_callbacks_keeps_the_top_k_state_of_the_same_options(tmp_path, first, then):
+    dirpath = str(tmp_path / "ckpt")
+    earlier = _top_k_fit(first, dirpath, max_epochs=2)
+    plugins = [lazyckpt.LazyCheckpointIO()] if then is pl.callbacks.ModelCheckpoint else []
+    resumed = []
+
+    class SeeRestored(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            checkpoint = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelCheckpoint))
+            resumed.append((checkpoint.best_model_score, checkpoint.best_model_path, dict(checkpoint.best_k_models)))
+
+    pl.seed_everything(0, verbose=False)
+    later = then(dirpath, monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(max_epochs=4, callbacks=[later, SeeRestored()], plugins=plugins, **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path="last")
+    score, path, best_k = resumed[0]
+    assert float(score) == float(earlier.best_model_score) and path == earlier.best_model_path
+    assert {k: float(v) for k, v in best_k.items()} == {k: float(v) for k, v in earlier.best_k_models.items()}
+    kept = {n for n in os.listdir(dirpath) if n.endswith(".ckpt") and not n.startswith("last")}
+    assert kept == {os.path.basename(later.best_model_path)}, "save_top_k=1 keeps one top-k file"
+    assert float(later.best_model_score) <= float(earlier.best_model_score)
