@@ -58,7 +58,7 @@ class LazyFileOperationsMixin:
 
     @override
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
-        exists = trainer.is_global_zero and (filepath in self._names
+        exists = trainer.is_global_zero and (self._names.taken(filepath)
                                              or _compat.model_checkpoint_fs(self).exists(filepath))
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 

@@ -81,12 +81,18 @@ class CheckpointNames:
         self._current: _Request | None = None
         self._past_resume = False
         session.protect(self._kept)  # also from the purges of other names sharing the session
+        session.hold_names(self.__contains__)
 
     def _kept(self) -> set[int]:
         return set(self._names.values()) | {r.step for r in self._requests}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._names
+        return os.path.abspath(name) in self._names
+
+    def taken(self, name: str) -> bool:
+        """Whether this run gave ``name`` to a checkpoint, through these names or another sharer's of the session
+        (two callbacks writing one directory), committed or not: only a committed name is on disk."""
+        return self._session.name_taken(name)
 
     # --- planning one step's names --------------------------------------------------------------------------
 
@@ -95,21 +101,21 @@ class CheckpointNames:
         if self._current is None or self._current.step != step:
             self._current = _Request(step)
         if not self._current.skipped:  # a skipped step gets no names (nothing was written)
-            self._names[name] = step
+            self._names[os.path.abspath(name)] = step
             self._add(self._current, ("link", name, step))
 
     def copy(self, name: str, new_name: str) -> None:
         """``new_name`` will point where ``name`` points, once that step is committed."""
-        step = self._names.get(name)
+        step = self._names.get(os.path.abspath(name))
         if step is None or os.path.abspath(name) == os.path.abspath(new_name):
             return
-        self._names[new_name] = step
+        self._names[os.path.abspath(new_name)] = step
         waiting = [r for r in (*self._requests, self._current) if r is not None and r.step == step]
         self._add(waiting[-1] if waiting else None, ("link", new_name, step))
 
     def drop(self, name: str) -> None:
         """Remove ``name`` once the checkpoint being planned is committed."""
-        self._names.pop(name, None)
+        self._names.pop(os.path.abspath(name), None)
         self._add(self._current, ("remove", name, None))
 
     # --- requests and their completion ----------------------------------------------------------------------
@@ -140,7 +146,7 @@ class CheckpointNames:
         if request.pending is None or request.pending.skipped:
             for kind, name, _ in request.actions:
                 if kind == "link":
-                    self._names.pop(name, None)
+                    self._names.pop(os.path.abspath(name), None)
             request.actions.clear()
             request.finished = request.skipped = True
             return []
@@ -242,6 +248,9 @@ class _NoNames(CheckpointNames):
         pass
 
     def __contains__(self, name: str) -> bool:
+        return False
+
+    def taken(self, name: str) -> bool:
         return False
 
     def plan(self, step: int, name: str) -> None:

@@ -219,3 +219,18 @@ def test_switching_callbacks_keeps_the_top_k_state_of_the_same_options(tmp_path,
     kept = {n for n in os.listdir(dirpath) if n.endswith(".ckpt") and not n.startswith("last")}
     assert kept == {os.path.basename(later.best_model_path)}, "save_top_k=1 keeps one top-k file"
     assert float(later.best_model_score) <= float(earlier.best_model_score)
+
+
+def test_two_callbacks_with_the_same_file_names_in_one_directory_keep_both_like_model_checkpoint(tmp_path):
+    pairs = {kind: [cls(tmp_path / kind, monitor="val_loss", save_top_k=1), cls(tmp_path / kind, every_n_train_steps=2)]
+             for kind, cls in (("plain", pl.callbacks.ModelCheckpoint), ("lazy", LazyCheckpoint))}
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=8, val_check_interval=2, callbacks=[*pairs["plain"], *pairs["lazy"]], **QUIET)
+    trainer.fit(make_module_class(pl)())
+    names = {kind: sorted(os.listdir(tmp_path / kind)) for kind in pairs}
+    assert {n for n in names["lazy"] if n.endswith(".ckpt")} == set(names["plain"]), names
+    for kind, callbacks in pairs.items():
+        for callback in callbacks:
+            assert os.path.exists(callback.best_model_path), (kind, callback.best_model_path)
+    assert [os.path.basename(c.best_model_path) for c in pairs["lazy"]] == [
+        os.path.basename(c.best_model_path) for c in pairs["plain"]]
