@@ -15,9 +15,10 @@ from typing import Any, ClassVar, Literal
 
 from typing_extensions import override
 
+from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
-                             SessionOptions, url_dirpath_levels)
+                             SessionOptions, open_directories, run_directory, url_dirpath_levels)
 from lazyckpt.tree.preflight import check_hyperparameters
 from lazyckpt.write.stats import CheckpointStats
 
@@ -116,12 +117,25 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         if stage == "fit":
             check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later
         if stage == "fit" and self.session is None:
-            self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
-                                                    world_size=trainer.world_size, engine_retention=False)
-            self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
-                                          lambda: getattr(self.trainer, "ckpt_path", None),
-                                          feedback=self._feedback, reporter=trainer_reporter(self, self._namespace))
-            trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
+            self._open(trainer, self._steps_dir(trainer, resumed_from=None))
+
+    def _open(self, trainer: Any, steps_dir: str) -> None:
+        self.session = CheckpointSession.shared(steps_dir, self.options, rank=trainer.global_rank,
+                                                world_size=trainer.world_size, engine_retention=False)
+        self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
+                                      lambda: getattr(self.trainer, "ckpt_path", None), names_dir=self.dirpath,
+                                      feedback=self._feedback, reporter=trainer_reporter(self, self._namespace))
+        trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
+
+    def _steps_dir(self, trainer: Any, resumed_from: Any) -> str:
+        """Where this fit's step directories go (rank 0 decides): ``dirpath``, or a run directory of its own below
+        it when ``dirpath`` holds an earlier run's steps (:func:`lazyckpt.policy.run_directory`); a resume goes on
+        next to the step it resumed from. With a remote level the directory stays ``dirpath`` (one remote run)."""
+        if self.options.remote is not None:
+            return self.dirpath
+        chosen = run_directory(self.dirpath, resumed_from, taken=open_directories()) if (
+            trainer.is_global_zero) else None
+        return trainer.strategy.broadcast(chosen)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -201,6 +215,12 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._resumed_rng.loaded(checkpoint.get(EXTRA_KEY))
+        if self.session is not None and self._names.fresh():  # setup() did not know the fit resumes: Lightning
+            # loads after it. A resume of a step directory goes on next to it (today's run, today's directory).
+            steps_dir = self._steps_dir(trainer, resumed_from=trainer.ckpt_path)
+            if normalize_dirpath(steps_dir) != self.session.dirpath:
+                self._close(raise_errors=True)  # saved nothing: leaves nothing
+                self._open(trainer, steps_dir)
 
 
 def _no_trainer() -> None:

@@ -47,6 +47,12 @@ _OPEN: dict[str, CheckpointSession] = {}
 _OPEN_LOCK = threading.Lock()
 
 
+def open_directories() -> list[str]:
+    """The directories this process has a session open on (:meth:`CheckpointSession.shared`)."""
+    with _OPEN_LOCK:
+        return list(_OPEN)
+
+
 class CheckpointSession:
     """The engine of one process of one training run, and the policy around it.
 

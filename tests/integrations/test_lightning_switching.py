@@ -234,3 +234,43 @@ def test_two_callbacks_with_the_same_file_names_in_one_directory_keep_both_like_
             assert os.path.exists(callback.best_model_path), (kind, callback.best_model_path)
     assert [os.path.basename(c.best_model_path) for c in pairs["lazy"]] == [
         os.path.basename(c.best_model_path) for c in pairs["plain"]]
+
+
+def _weights(path):
+    if os.path.isdir(path):
+        return lazyckpt.load(path)["state_dict"]
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(every_n_train_steps=2, save_top_k=1, save_last=True), id="versioned-names"),
+    pytest.param(dict(monitor="val_loss", save_top_k=2, save_last=True, enable_version_counter=False),
+                 id="no-version-counter"),
+    pytest.param(dict(monitor="val_loss", save_top_k=2, save_last=True), id="top-k-monitor"),
+])
+def test_a_new_fit_into_a_used_directory_behaves_as_model_checkpoint(tmp_path, options):
+    dirs = {"plain": tmp_path / "plain", "lazy": tmp_path / "lazy"}
+    # the second run's steps are lower than every step the first one kept; the third's collide with both
+    for max_steps in (16, 4, 8):
+        callbacks = {"plain": pl.callbacks.ModelCheckpoint(dirs["plain"], **options),
+                     "lazy": LazyCheckpoint(dirs["lazy"], **options)}
+        pl.seed_everything(max_steps, verbose=False)
+        pl.Trainer(max_steps=max_steps, val_check_interval=2, callbacks=list(callbacks.values()),
+                   **QUIET).fit(make_module_class(pl)())
+        names = {kind: sorted(n for n in os.listdir(d) if n.endswith(".ckpt")) for kind, d in dirs.items()}
+        assert names["lazy"] == names["plain"], max_steps
+        for name in names["plain"]:  # the same weights behind every name: no name is left on the other run's
+            for key, value in _weights(str(dirs["plain"] / name)).items():
+                assert torch.equal(_weights(str(dirs["lazy"] / name))[key], value), (max_steps, name, key)
+        plain, lazy = callbacks["plain"], callbacks["lazy"]
+        for attribute in ("best_model_path", "last_model_path", "kth_best_model_path"):
+            assert os.path.basename(getattr(lazy, attribute)) == os.path.basename(getattr(plain, attribute))
+        assert sorted(map(os.path.basename, lazy.best_k_models)) == sorted(map(os.path.basename, plain.best_k_models))
+    assert sorted(committed_steps(dirs["lazy"] / "run-002")) == sorted(
+        {int(os.readlink(dirs["lazy"] / n).rsplit("-", 1)[1]) for n in os.listdir(dirs["lazy"])
+         if n.endswith(".ckpt") and os.readlink(dirs["lazy"] / n).startswith("run-002/")})
+    trainer = pl.Trainer(max_steps=10, val_check_interval=2, callbacks=[LazyCheckpoint(dirs["lazy"], **options)],
+                         **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path="last")
+    assert trainer.ckpt_path == os.path.join(dirs["lazy"], "run-002", "step-0000008"), "the newest commit"
+    assert trainer.checkpoint_callback.session is None and (dirs["lazy"] / "run-002" / "step-0000010").is_dir()
