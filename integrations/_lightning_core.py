@@ -175,8 +175,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         with self._names.deciding(), warnings.catch_warnings():
             if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
                 return  # rolled back: ModelCheckpoint does not see the bad step, so nothing is planned or requested
-            # ModelCheckpoint warns that under manual optimization it saves the state *after* the step; that
-            # state is exactly the consistent one a lazy snapshot wants.
+            # ModelCheckpoint warns that under manual optimization it saves the state *after* the step (unless
+            # the module follows its pre-step recipe: see _save_checkpoint); a lazy snapshot saves the same state.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
