@@ -89,6 +89,19 @@ def record_saved(callback: Any, step: int, filepath: str) -> None:
     callback._last_checkpoint_saved = filepath
 
 
+def swaps_in_pre_step_weights(pl_module: Any) -> bool:
+    """Whether ``ModelCheckpoint.on_train_batch_end`` saves with the weights of its documented manual-optimization
+    recipe: when the module keeps the weights of ``self.layer`` from before ``optimizer.step()`` in a non-empty dict
+    ``self.saved_models``, it loads the newest of them into ``layer``, saves, and loads the current weights back
+    (Lightning's own condition, private to that method; an older Lightning without it saves the current weights,
+    the same ones either way)."""
+    import torch
+
+    saved, layer = getattr(pl_module, "saved_models", None), getattr(pl_module, "layer", None)
+    return (not pl_module.automatic_optimization and isinstance(saved, dict) and bool(saved)
+            and isinstance(layer, torch.nn.Module))
+
+
 def would_save_on_exception(callback: Any, trainer: Any) -> bool:
     """Whether ``ModelCheckpoint.on_exception`` would save here (rank 0 only), by its private
     ``_should_save_on_exception`` where it exists: asked when no lazyckpt session is open, to say that no checkpoint

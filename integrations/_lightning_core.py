@@ -15,9 +15,10 @@ from typing import Any, ClassVar, Literal
 
 from typing_extensions import override
 
+from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
-                             SessionOptions, url_dirpath_levels)
+                             SessionOptions, open_directories, run_directory, url_dirpath_levels)
 from lazyckpt.tree.preflight import check_hyperparameters
 from lazyckpt.write.stats import CheckpointStats
 
@@ -47,7 +48,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         keep_in_memory: keep the newest snapshot in host memory too (docs/rollback.md).
         rollback_on_nonfinite: on a nan/inf training loss (any rank), restore model, optimizers, LR schedulers
             and AMP scaler from the newest snapshot before that step and go on (needs ``save_weights_only=False``).
-        **kwargs: every ``ModelCheckpoint`` argument, with its meaning; and ``remote``, ``remote_every_n``,
+        *args, **kwargs: every ``ModelCheckpoint`` argument, with its meaning, positional ones in its order
+            (``LazyCheckpoint("runs/ckpt", "best-{epoch}", "val_loss")``); and ``remote``, ``remote_every_n``,
             ``remote_keep_last_k``, ``storage_options``, ``max_rollbacks`` (see ``lazyckpt.policy.SessionOptions``).
 
     Example:
@@ -59,7 +61,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     _io_class: ClassVar[type]
     _barrier_class: ClassVar[type]
 
-    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *, keep_last_k: int | None = None,
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, *args: Any, keep_last_k: int | None = None,
                  host_buffer_bytes: int | None = None,
                  copy_backend: Literal["auto", "cpu", "cuda", "triton"] = "auto",
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
@@ -70,7 +72,7 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         options, kwargs = SessionOptions.from_keywords(kwargs, owner="LazyCheckpoint", source="the trainer",
                                                        keep_last_k=keep_last_k, engine=engine)
         dirpath, self.options = url_dirpath_levels(dirpath, options)  # ModelCheckpoint's names need a local dir
-        super().__init__(dirpath=dirpath, **kwargs)
+        super().__init__(dirpath, *args, **kwargs)  # positional ones in ModelCheckpoint's order (filename, ...)
         LightningRollback.check_options(rollback_on_nonfinite, weights_only=self.save_weights_only)
         self.rollback_on_nonfinite = rollback_on_nonfinite
         self._rollback: LightningRollback | None = None
@@ -115,12 +117,25 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         if stage == "fit":
             check_hyperparameters(pl_module, trainer.datamodule)  # fail now, not at the first save an epoch later
         if stage == "fit" and self.session is None:
-            self.session = CheckpointSession.shared(self.dirpath, self.options, rank=trainer.global_rank,
-                                                    world_size=trainer.world_size, engine_retention=False)
-            self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
-                                          lambda: getattr(self.trainer, "ckpt_path", None),
-                                          feedback=self._feedback, reporter=trainer_reporter(self, self._namespace))
-            trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
+            self._open(trainer, self._steps_dir(trainer, resumed_from=None))
+
+    def _open(self, trainer: Any, steps_dir: str) -> None:
+        self.session = CheckpointSession.shared(steps_dir, self.options, rank=trainer.global_rank,
+                                                world_size=trainer.world_size, engine_retention=False)
+        self._names = CheckpointNames(self.session, functools.partial(request_snapshot, self),
+                                      lambda: getattr(self.trainer, "ckpt_path", None), names_dir=self.dirpath,
+                                      feedback=self._feedback, reporter=trainer_reporter(self, self._namespace))
+        trainer.strategy.barrier("lazyckpt.setup")  # rank 0 cleared crash leftovers before anyone writes
+
+    def _steps_dir(self, trainer: Any, resumed_from: Any) -> str:
+        """Where this fit's step directories go (rank 0 decides): ``dirpath``, or a run directory of its own below
+        it when ``dirpath`` holds an earlier run's steps (:func:`lazyckpt.policy.run_directory`); a resume goes on
+        next to the step it resumed from. With a remote level the directory stays ``dirpath`` (one remote run)."""
+        if self.options.remote is not None:
+            return self.dirpath
+        chosen = run_directory(self.dirpath, resumed_from, taken=open_directories()) if (
+            trainer.is_global_zero) else None
+        return trainer.strategy.broadcast(chosen)
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -160,8 +175,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         with self._names.deciding(), warnings.catch_warnings():
             if self._rollback is not None and self._rollback.after_batch(trainer, outputs):
                 return  # rolled back: ModelCheckpoint does not see the bad step, so nothing is planned or requested
-            # ModelCheckpoint warns that under manual optimization it saves the state *after* the step; that
-            # state is exactly the consistent one a lazy snapshot wants.
+            # ModelCheckpoint warns that under manual optimization it saves the state *after* the step (unless
+            # the module follows its pre-step recipe: see _save_checkpoint); a lazy snapshot saves the same state.
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -200,6 +215,12 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._resumed_rng.loaded(checkpoint.get(EXTRA_KEY))
+        if self.session is not None and self._names.fresh():  # setup() did not know the fit resumes: Lightning
+            # loads after it. A resume of a step directory goes on next to it (today's run, today's directory).
+            steps_dir = self._steps_dir(trainer, resumed_from=trainer.ckpt_path)
+            if normalize_dirpath(steps_dir) != self.session.dirpath:
+                self._close(raise_errors=True)  # saved nothing: leaves nothing
+                self._open(trainer, steps_dir)
 
 
 def _no_trainer() -> None:

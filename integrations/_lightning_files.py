@@ -30,6 +30,11 @@ class LazyFileOperationsMixin:
         self._names.plan(trainer.global_step, filepath)
         _compat.record_saved(self, trainer.global_step, filepath)
         self._announce_at_commit(trainer, filepath)
+        if _compat.swaps_in_pre_step_weights(trainer.lightning_module):
+            # ModelCheckpoint's manual-optimization recipe: the pre-step weights are in place for this save only
+            # and are written back right after it, so request now and let the copy finish before that.
+            self._names.submit()
+            self.wait_staged()
 
     @override
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
@@ -58,7 +63,7 @@ class LazyFileOperationsMixin:
 
     @override
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
-        exists = trainer.is_global_zero and (filepath in self._names
+        exists = trainer.is_global_zero and (self._names.taken(filepath)
                                              or _compat.model_checkpoint_fs(self).exists(filepath))
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 

@@ -134,6 +134,28 @@ def request_snapshot(callback: Any, step: int) -> PendingCheckpoint | None:
 
 
 # ------------------------------------------------------------------------------------------ CheckpointIO
+_STATE_KEY_CLASSES = ("ModelCheckpoint{", "LazyCheckpoint{")
+"""Lightning keeps a callback's state under a key that starts with its class name (``Callback._generate_state_key``):
+``ModelCheckpoint{'monitor': 'val_loss', ...}`` and ``LazyCheckpoint{'monitor': 'val_loss', ...}``."""
+
+
+def adopt_callback_states(checkpoint: dict[str, Any], state_keys: set[str] | None) -> dict[str, Any]:
+    """Switching between ``ModelCheckpoint`` and ``LazyCheckpoint``: give each checkpoint callback of the resuming
+    trainer (``state_keys``; None: a trainer without ``LazyCheckpoint``) the state the other class saved with the
+    same options (monitor, mode, triggers) when the checkpoint holds none under its own key. A state no callback of
+    the trainer reads under its old key is moved, so Lightning does not ask for the callback that saved it."""
+    states = checkpoint.get("callbacks")
+    if not isinstance(states, dict):
+        return checkpoint
+    plain, lazy = _STATE_KEY_CLASSES
+    for key in [k for k in states if isinstance(k, str) and k.startswith(_STATE_KEY_CLASSES)]:
+        other = lazy + key[len(plain):] if key.startswith(plain) else plain + key[len(lazy):]
+        if other in states or not (other in state_keys if state_keys is not None else key.startswith(lazy)):
+            continue
+        states[other] = states[key] if state_keys is not None and key in state_keys else states.pop(key)
+    return checkpoint
+
+
 class LazyCheckpointIOMixin:
     """Loads lazyckpt checkpoints (directories, names linking to them, ``lazyckpt://`` URLs) for
     ``fit/validate/test/predict(ckpt_path=...)``; everything else (plain ``.ckpt`` files, direct
@@ -171,12 +193,15 @@ class LazyCheckpointIOMixin:
         owner = self._owner()
         trainer = owner.trainer if owner is not None else None
         path = local_path(path)
+        keys = None if trainer is None else {cb.state_key for cb in trainer.callbacks}
         if not is_lazyckpt_path(path):
             if kind_of(LocalStorage(), os.fspath(path)) is None:
                 check_committed(os.fspath(path))  # raises with the partial / newest-committed hint
-            return self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return adopt_callback_states(
+                self.base.load_checkpoint(path, map_location=map_location, weights_only=weights_only), keys)
         rank = trainer.global_rank if trainer is not None else 0
         checkpoint = to_lightning_checkpoint(path, rank=rank, map_location=map_location)
+        adopt_callback_states(checkpoint, keys)
         module = trainer.lightning_module if trainer is not None else None
         if module is not None:  # Lightning's load_state_dict converts dtypes, so only keys and shapes must match
             name = f"model ({type(module).__name__})"

@@ -81,9 +81,10 @@ class LazyCheckpointer:
         if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
             self.dirpath, self.config = split_levels(self.dirpath, self.config)
         self.storage: Storage = storage if storage is not None else LocalStorage()
+        made = self.storage.stat(self.dirpath) is None
         self.storage.make_dir(self.dirpath)
-        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage,  # first: a refused job touches nothing
-                                   self.config.world_size)
+        # first: a refused job touches nothing
+        self._lock = DirectoryLock(self.dirpath, self.config.rank, self.storage, self.config.world_size, made=made)
         try:
             self.remote: RemoteLevel | None = open_remote_level(self.config, self.storage)  # fails here, not at a save
             self._rendezvous = meet_ranks(self.dirpath, self.storage, self.config,
@@ -284,7 +285,7 @@ class LazyCheckpointer:
                 self._memory.clear()
             if self._rendezvous is not None:
                 self._rendezvous.close()  # after the drain: a peer still waiting for this rank gives up now
-            self._lock.release()
+            self._lock.release(tidy=True)  # a directory made for a job that saved nothing goes too
         if (error := self._earlier_failure()) is not None:
             raise error
 

@@ -38,12 +38,17 @@ def alias_step(storage: Storage, alias: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def aliased_steps(storage: Storage, dirpath: str) -> set[int]:
-    """Steps that some link directly inside ``dirpath`` points at (names from this run or earlier ones)."""
+def aliased_steps(storage: Storage, dirpath: str, *, into: str | None = None) -> set[int]:
+    """Steps that some link directly inside ``dirpath`` points at (names from this run or earlier ones); with
+    ``into``, only links to step directories of ``into`` (names beside another run's checkpoint directory)."""
     try:
         names = storage.list_dir(dirpath)
     except FileNotFoundError:
         return set()
+    if into is not None:
+        links = [path for path in (os.path.join(dirpath, n) for n in names)
+                 if (info := storage.stat(path)) is not None and info.kind is FileKind.LINK]
+        return {resolve_step(storage, path, into) for path in links} - {None}
     steps = {alias_step(storage, os.path.join(dirpath, name)) for name in names}
     return steps - {None}
 

@@ -137,12 +137,21 @@ class DirectoryLock:
     Rank 0 also leaves a note of its job beside its lock (``.job-rank00000.json``: world size, process id, host),
     so that a process calling itself another rank of a live job of another size on this host is refused at once
     instead of reporting that job's checkpoints as its own (the commit checks it too, for ranks that start first or
-    on another host)."""
+    on another host).
 
-    def __init__(self, dirpath: str, rank: int, storage: Storage, world_size: int = 1) -> None:
+    ``made``: the caller created ``dirpath`` for this job. Such a directory, or one holding only other ranks' locks
+    (a peer of this job made it), is this job's: :meth:`release` with ``tidy`` removes the lock file and, when that
+    leaves it empty, the directory, so a job that saved nothing leaves nothing behind (in a directory it did not
+    make, the lock file goes; the directory stays).
+    """
+
+    def __init__(self, dirpath: str, rank: int, storage: Storage, world_size: int = 1, *,
+                 made: bool = False) -> None:
         self.path = os.path.join(dirpath, f".lock-rank{rank:05d}")
         self._note = os.path.join(dirpath, JOB_NOTE) if rank == 0 else None
-        self._storage = storage
+        self._dirpath, self._storage = dirpath, storage
+        names = storage.list_dir(dirpath)
+        self._ours = made or (bool(names) and all(_is_lock(n) for n in names))
         try:
             self._lock: StorageLock | None = storage.lock(self.path)
         except BlockingIOError:
@@ -160,12 +169,23 @@ class DirectoryLock:
             self.release()
             raise
 
-    def release(self) -> None:
-        if self._lock is not None:
-            if self._note is not None and self._storage.stat(self._note) is not None:
-                self._storage.remove_file(self._note)
-            self._lock.release()
-            self._lock = None
+    def release(self, *, tidy: bool = False) -> None:
+        """Unlock; with ``tidy``, leave nothing in a directory of this job that holds nothing but locks."""
+        if self._lock is None:
+            return
+        if self._note is not None and self._storage.stat(self._note) is not None:
+            self._storage.remove_file(self._note)
+        unused = tidy and all(_is_lock(n) for n in self._storage.list_dir(self._dirpath))
+        if unused and self._storage.stat(self.path) is not None:
+            self._storage.remove_file(self.path)  # while still held: no other writer can hold this file meanwhile
+        self._lock.release()
+        self._lock = None
+        if unused and self._ours and not self._storage.list_dir(self._dirpath):
+            self._storage.remove_tree(self._dirpath)
+
+
+def _is_lock(name: str) -> bool:
+    return name.startswith(".lock-rank") or name == JOB_NOTE
 
 
 JOB_NOTE = ".job-rank00000.json"

@@ -29,9 +29,9 @@ from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import (EngineOptions, SessionOptions, check_max_rollbacks, project_defaults,
                                      url_dirpath_levels)
 from lazyckpt.policy.randomness import ContinuedEpoch, ResumedRng, capture_rng, find_generators, restore_rng
-from lazyckpt.policy.resume import newest_checkpoint, resume_target
+from lazyckpt.policy.resume import newest_checkpoint, resume_target, run_directory
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, is_nonfinite
-from lazyckpt.policy.session import CheckpointSession
+from lazyckpt.policy.session import CheckpointSession, open_directories
 from lazyckpt.policy.sharded import per_rank_source, restore_sharded
 from lazyckpt.policy.steps import StepCounter, StepRequests
 
@@ -39,5 +39,5 @@ __all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "Eng
            "ContinuedEpoch", "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
            "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "is_nonfinite", "newest_checkpoint", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
-           "resume_target", "run_summary", "summary_line", "url_dirpath_levels"]
+           "is_nonfinite", "newest_checkpoint", "open_directories", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
+           "resume_target", "run_directory", "run_summary", "summary_line", "url_dirpath_levels"]

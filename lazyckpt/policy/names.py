@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from lazyckpt.format.files import step_dirname
-from lazyckpt.levels.aliases import alias_step, aliased_steps, link_alias, resolve_step, unlink_alias
+from lazyckpt.levels.aliases import aliased_steps, link_alias, resolve_step, unlink_alias
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.feedback import Reporter, RunFeedback
 from lazyckpt.policy.session import CheckpointSession
@@ -64,14 +64,17 @@ class CheckpointNames:
             :meth:`CheckpointSession.save` with the framework's state.
         resumed_from: returns the path the run resumed from: never deleted before this run's first commit, then
             kept only while a name or ``keep_last_k`` keeps it.
+        names_dir: where the names are (default: the session's directory); the session may write its steps
+            into a run directory of its own below it (:func:`lazyckpt.policy.run_directory`).
         feedback: records every commit found (:meth:`RunFeedback.report`) and the run's summary (:meth:`finish`);
             on rank 0 both go to the ``reporter`` (the other ranks report nothing).
     """
 
     def __init__(self, session: CheckpointSession, save: Callable[[int], PendingCheckpoint | None],
                  resumed_from: Callable[[], str | None] = lambda: None, *, feedback: RunFeedback | None = None,
-                 reporter: Reporter = Reporter()) -> None:
+                 reporter: Reporter = Reporter(), names_dir: str | None = None) -> None:
         self._session = session
+        self._names_dir = names_dir if names_dir is not None else session.dirpath
         self._save = save
         self._resumed_from = resumed_from
         self._feedback = feedback
@@ -81,12 +84,22 @@ class CheckpointNames:
         self._current: _Request | None = None
         self._past_resume = False
         session.protect(self._kept)  # also from the purges of other names sharing the session
+        session.hold_names(self.__contains__)
 
     def _kept(self) -> set[int]:
         return set(self._names.values()) | {r.step for r in self._requests}
 
     def __contains__(self, name: str) -> bool:
-        return name in self._names
+        return os.path.abspath(name) in self._names
+
+    def fresh(self) -> bool:
+        """Nothing was planned or requested through these names yet."""
+        return not self._names and not self._requests and self._current is None
+
+    def taken(self, name: str) -> bool:
+        """Whether this run gave ``name`` to a checkpoint, through these names or another sharer's of the session
+        (two callbacks writing one directory), committed or not: only a committed name is on disk."""
+        return self._session.name_taken(name)
 
     # --- planning one step's names --------------------------------------------------------------------------
 
@@ -95,21 +108,21 @@ class CheckpointNames:
         if self._current is None or self._current.step != step:
             self._current = _Request(step)
         if not self._current.skipped:  # a skipped step gets no names (nothing was written)
-            self._names[name] = step
+            self._names[os.path.abspath(name)] = step
             self._add(self._current, ("link", name, step))
 
     def copy(self, name: str, new_name: str) -> None:
         """``new_name`` will point where ``name`` points, once that step is committed."""
-        step = self._names.get(name)
+        step = self._names.get(os.path.abspath(name))
         if step is None or os.path.abspath(name) == os.path.abspath(new_name):
             return
-        self._names[new_name] = step
+        self._names[os.path.abspath(new_name)] = step
         waiting = [r for r in (*self._requests, self._current) if r is not None and r.step == step]
         self._add(waiting[-1] if waiting else None, ("link", new_name, step))
 
     def drop(self, name: str) -> None:
         """Remove ``name`` once the checkpoint being planned is committed."""
-        self._names.pop(name, None)
+        self._names.pop(os.path.abspath(name), None)
         self._add(self._current, ("remove", name, None))
 
     # --- requests and their completion ----------------------------------------------------------------------
@@ -140,7 +153,7 @@ class CheckpointNames:
         if request.pending is None or request.pending.skipped:
             for kind, name, _ in request.actions:
                 if kind == "link":
-                    self._names.pop(name, None)
+                    self._names.pop(os.path.abspath(name), None)
             request.actions.clear()
             request.finished = request.skipped = True
             return []
@@ -215,8 +228,10 @@ class CheckpointNames:
         storage, dirpath = self._session.storage, self._session.dirpath
         unnamed: set[int] = set()
         for kind, name, step in request.actions:
-            old = alias_step(storage, name) if kind == "link" else unlink_alias(storage, name)
-            if kind == "link":
+            old = resolve_step(storage, name, dirpath)  # a name of another run's step: that step is not ours
+            if kind == "remove":
+                unlink_alias(storage, name)
+            else:
                 link_alias(storage, name, os.path.join(dirpath, step_dirname(step)))
             if old is not None and old != step:
                 unnamed.add(old)
@@ -227,7 +242,7 @@ class CheckpointNames:
             self._past_resume = True
             unnamed.add(resumed)
         if unnamed or self._session.options.keep_last_k is not None:
-            protected = aliased_steps(storage, dirpath)
+            protected = aliased_steps(storage, self._names_dir, into=dirpath)
             if not self._past_resume and resumed is not None:
                 protected.add(resumed)
             self._session.purge(released=unnamed, protected=protected)
@@ -242,6 +257,12 @@ class _NoNames(CheckpointNames):
         pass
 
     def __contains__(self, name: str) -> bool:
+        return False
+
+    def fresh(self) -> bool:
+        return False  # no session to reopen elsewhere
+
+    def taken(self, name: str) -> bool:
         return False
 
     def plan(self, step: int, name: str) -> None:

@@ -1,6 +1,8 @@
 """What "resume from the last checkpoint" means in a directory that holds lazyckpt checkpoints and another tool's
 checkpoint files (``ModelCheckpoint``'s ``last.ckpt``): the newest of both kinds by the time it was written, so
-switching tools, in either direction, resumes instead of silently starting over.
+switching tools, in either direction, resumes instead of silently starting over; and where a run writes its steps
+when ``dirpath`` holds an earlier run's (:func:`run_directory`: a run directory of its own, ``dirpath/run-001``),
+so the step directories of two runs never collide.
 
 Example:
     >>> newest_checkpoint("runs/ckpt", others=["runs/ckpt/last.ckpt"])       # doctest: +SKIP
@@ -10,10 +12,11 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from lazyckpt.format.files import MANIFEST
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, STEP_DIR
 from lazyckpt.read.load import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 
@@ -21,15 +24,53 @@ if TYPE_CHECKING:
     from lazyckpt.policy.options import SessionOptions
 
 
+RUN_DIR = re.compile(r"run-([0-9]{3,})")
+"""A run directory below a checkpoint directory (docs/FORMAT.md, "Run directories"). Use with ``fullmatch``."""
+
+
+def run_dirs(dirpath: str, storage: Storage | None = None) -> list[str]:
+    """``dirpath`` and its run directories, oldest first: each is a checkpoint directory of one run."""
+    storage = storage if storage is not None else LocalStorage()
+    if kind_of(storage, dirpath) is not FileKind.DIR:
+        return [dirpath]
+    runs = sorted((int(m.group(1)), name) for name in storage.list_dir(dirpath) if (m := RUN_DIR.fullmatch(name))
+                  and kind_of(storage, os.path.join(dirpath, name)) is FileKind.DIR)
+    return [dirpath, *(os.path.join(dirpath, name) for _, name in runs)]
+
+
+def run_directory(dirpath: str, resumed_from: str | None, *, taken: Iterable[str] = (),
+                  storage: Storage | None = None) -> str:
+    """Where a run writes its step directories: next to the step it resumed from (``resumed_from``, a step
+    directory of ``dirpath`` or of a run directory, or a name linking to one), else ``taken`` (one of ``dirpath``'s
+    directories this process writes already: callbacks sharing it), else the first of ``dirpath`` and its run
+    directories that holds no step yet, else a new run directory ``dirpath/run-NNN``."""
+    storage = storage if storage is not None else LocalStorage()
+    candidates = run_dirs(dirpath, storage)
+    real = {storage.resolve(os.path.abspath(d)): d for d in candidates}
+    if resumed_from:
+        step_dir = storage.resolve(os.path.abspath(resumed_from))
+        if STEP_DIR.fullmatch(os.path.basename(step_dir)) and os.path.dirname(step_dir) in real:
+            return real[os.path.dirname(step_dir)]
+    for path in taken:
+        if storage.resolve(os.path.abspath(path)) in real:
+            return real[storage.resolve(os.path.abspath(path))]
+    for candidate in candidates:
+        if kind_of(storage, candidate) is not FileKind.DIR or not any(
+                STEP_DIR.fullmatch(name.removesuffix(PARTIAL_SUFFIX)) for name in storage.list_dir(candidate)):
+            return candidate
+    last = RUN_DIR.fullmatch(os.path.basename(candidates[-1])) if len(candidates) > 1 else None
+    return os.path.join(dirpath, f"run-{(int(last.group(1)) if last else 0) + 1:03d}")
+
+
 def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Storage | None = None) -> str | None:
-    """The newest of ``dirpath``'s newest committed lazyckpt checkpoint and the plain checkpoint files in
+    """The newest of ``dirpath``'s newest committed lazyckpt checkpoint (its own or a run directory's: the newest
+    commit) and the plain checkpoint files in
     ``others`` (names that are links, e.g. lazyckpt's own ``last.ckpt``, are skipped: they point at step
     directories already counted). A lazyckpt checkpoint's time is its commit (its manifest), a file's its
     modification time. ``None`` when there is neither."""
     storage = storage if storage is not None else LocalStorage()
     times: dict[str, float] = {}
-    newest = latest(dirpath, storage=storage)
-    if newest is not None:
+    for newest in filter(None, (latest(d, storage=storage) for d in run_dirs(dirpath, storage))):
         info = storage.stat(os.path.join(newest, MANIFEST))
         times[newest] = info.mtime if info is not None else float("-inf")
     for path in others:

@@ -47,6 +47,12 @@ _OPEN: dict[str, CheckpointSession] = {}
 _OPEN_LOCK = threading.Lock()
 
 
+def open_directories() -> list[str]:
+    """The directories this process has a session open on (:meth:`CheckpointSession.shared`)."""
+    with _OPEN_LOCK:
+        return list(_OPEN)
+
+
 class CheckpointSession:
     """The engine of one process of one training run, and the policy around it.
 
@@ -77,6 +83,7 @@ class CheckpointSession:
         self._users = 1
         self._last: PendingCheckpoint | None = None
         self._protectors: list[Callable[[], Collection[int]]] = []
+        self._name_holders: list[Callable[[str], bool]] = []
         self._released_while_uploading: set[int] = set()
 
     @classmethod
@@ -109,6 +116,15 @@ class CheckpointSession:
     def protect(self, steps: Callable[[], Collection[int]]) -> None:
         """Never let :meth:`purge` delete the steps ``steps()`` returns (names of one sharer of the session)."""
         self._protectors.append(steps)
+
+    def hold_names(self, holds: Callable[[str], bool]) -> None:
+        """``holds(name)`` tells whether one sharer of the session gave ``name`` to a checkpoint (committed or not)."""
+        self._name_holders.append(holds)
+
+    def name_taken(self, name: str) -> bool:
+        """Whether any sharer of the session named a checkpoint ``name``, before the name is on disk (a framework's
+        version counter then picks another name, as it does for a file that exists)."""
+        return any(holds(name) for holds in self._name_holders)
 
     @property
     def storage(self) -> Storage:

@@ -226,3 +226,20 @@ def test_model_parallel_refuses_the_memory_level_and_rollback_at_setup(tmp_path,
     with pytest.raises(ValueError, match=rf"LazyCheckpoint\({option}=True\) is not supported under "
                                          rf"ModelParallelStrategy.*Drop {option}.*strategy='ddp'"):
         LazyCheckpoint(tmp_path, **{option: True}).setup(trainer, None, "fit")
+
+
+def test_wait_puts_the_names_the_callback_reports_on_disk_at_once(tmp_path):
+    lazy = LazyCheckpoint(tmp_path / "ckpt", monitor="val_loss", save_top_k=1, save_last=True,
+                          every_n_train_steps=3)
+    seen = []
+
+    class NeedsTheFile(pl.Callback):  # runs before LazyCheckpoint in each hook
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if lazy.last_model_path:
+                lazy.wait()
+                seen.append(trainer.global_step)
+                for path in (lazy.best_model_path, lazy.last_model_path, *lazy.best_k_models):
+                    assert os.path.isfile(os.path.join(path, "manifest.json")), path
+
+    pl.Trainer(max_epochs=2, callbacks=[NeedsTheFile(), lazy], **QUIET).fit(TinyModel())
+    assert seen, "the names were checked during training"

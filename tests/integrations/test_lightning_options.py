@@ -116,3 +116,70 @@ def test_every_argument_has_help_that_lightning_cli_shows_and_engine_options_are
         parser.parse_args(["--cb.engine_options", '{"fsinc": false}'])
     with pytest.raises((jsonargparse.ArgumentError, SystemExit)):
         parser.parse_args(["--cb.on_busy", "later"])
+
+
+def test_model_checkpoint_arguments_are_accepted_positionally_in_its_order(tmp_path):
+    import inspect
+
+    positional = list(inspect.signature(ModelCheckpoint.__init__).parameters)[2:]  # after self, dirpath
+    values = dict(filename="best-{epoch}", monitor="val_loss", verbose=False, save_last=True, save_top_k=2)
+    args = [values[name] for name in positional[:positional.index("save_top_k") + 1]]
+    plain, lazy = ModelCheckpoint(str(tmp_path), *args), LazyCheckpoint(str(tmp_path), *args)
+    for name, value in values.items():
+        assert getattr(lazy, name) == getattr(plain, name) == value, name
+
+
+def test_a_fit_that_saved_nothing_leaves_no_directory_and_no_lock(tmp_path):
+    dirpath = tmp_path / "ckpt"
+    callback = LazyCheckpoint(dirpath, every_n_train_steps=100)
+    pl.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0).fit(TinyModel())
+    assert not dirpath.exists(), sorted(os.listdir(dirpath))
+    kept = tmp_path / "made-by-the-user"
+    kept.mkdir()
+    pl.Trainer(max_steps=2, callbacks=[LazyCheckpoint(kept, every_n_train_steps=100)], logger=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(TinyModel())
+    assert kept.is_dir() and os.listdir(kept) == [], "a directory the user made stays, emptied of the lock"
+
+
+class PreStepRecipe(pl.LightningModule):
+    """ModelCheckpoint's documented recipe under manual optimization: ``training_step`` keeps the weights of
+    ``self.layer`` before ``optimizer.step()`` in ``self.saved_models``; ModelCheckpoint saves those."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(4, 2)
+        self.saved_models = {}
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.layer(x).pow(2).mean()
+        self.saved_models[batch_idx] = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=2)
+
+
+def test_manual_optimization_saves_what_model_checkpoints_recipe_saves(tmp_path):
+    options = dict(every_n_train_steps=2, save_top_k=-1)
+    plain, lazy = ModelCheckpoint(tmp_path / "plain", **options), LazyCheckpoint(tmp_path / "lazy", **options)
+    pl.seed_everything(0, verbose=False)
+    model = PreStepRecipe()
+    pl.Trainer(max_epochs=1, callbacks=[plain, lazy], logger=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(model)
+    names = sorted(_names(tmp_path / "plain"))
+    assert names == sorted(_names(tmp_path / "lazy")) and len(names) == 3
+    for name in names:
+        saved = torch.load(tmp_path / "plain" / name, weights_only=True)["state_dict"]
+        assert_weights = lazyckpt.load(str(tmp_path / "lazy" / name))["state_dict"]
+        for key, value in saved.items():
+            assert torch.equal(assert_weights[key], value), (name, key)
+    assert not torch.equal(saved["layer.weight"], model.layer.weight.detach()), "the pre-step weights"

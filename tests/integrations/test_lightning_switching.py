@@ -183,3 +183,94 @@ def test_fit_ends_with_a_summary_through_the_loggers_and_one_line(tmp_path, monk
     assert summary["lazyckpt/written_mb"] == pytest.approx(sum(s.nbytes for s in callback.stats) / 1e6)
     assert summary["lazyckpt/stall_max_ms"] == pytest.approx(1e3 * max(s.stall_s for s in callback.stats))
     assert [line for line in lines if line.startswith("lazyckpt: 4 checkpoints committed")]
+
+
+def _top_k_fit(callback_class, dirpath, max_epochs, resume=None, plugins=()):
+    pl.seed_everything(0, verbose=False)
+    callback = callback_class(dirpath, monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[callback], plugins=list(plugins), **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path=resume)
+    return callback
+
+
+@pytest.mark.filterwarnings("error:Be aware that when using")  # Lightning asking for the callback that saved it
+@pytest.mark.parametrize("first, then", [
+    pytest.param(pl.callbacks.ModelCheckpoint, LazyCheckpoint, id="model-checkpoint-to-lazy"),
+    pytest.param(LazyCheckpoint, pl.callbacks.ModelCheckpoint, id="lazy-to-model-checkpoint"),
+])
+def test_switching_callbacks_keeps_the_top_k_state_of_the_same_options(tmp_path, first, then):
+    dirpath = str(tmp_path / "ckpt")
+    earlier = _top_k_fit(first, dirpath, max_epochs=2)
+    plugins = [lazyckpt.LazyCheckpointIO()] if then is pl.callbacks.ModelCheckpoint else []
+    resumed = []
+
+    class SeeRestored(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            checkpoint = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelCheckpoint))
+            resumed.append((checkpoint.best_model_score, checkpoint.best_model_path, dict(checkpoint.best_k_models)))
+
+    pl.seed_everything(0, verbose=False)
+    later = then(dirpath, monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(max_epochs=4, callbacks=[later, SeeRestored()], plugins=plugins, **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path="last")
+    score, path, best_k = resumed[0]
+    assert float(score) == float(earlier.best_model_score) and path == earlier.best_model_path
+    assert {k: float(v) for k, v in best_k.items()} == {k: float(v) for k, v in earlier.best_k_models.items()}
+    kept = {n for n in os.listdir(dirpath) if n.endswith(".ckpt") and not n.startswith("last")}
+    assert kept == {os.path.basename(later.best_model_path)}, "save_top_k=1 keeps one top-k file"
+    assert float(later.best_model_score) <= float(earlier.best_model_score)
+
+
+def test_two_callbacks_with_the_same_file_names_in_one_directory_keep_both_like_model_checkpoint(tmp_path):
+    pairs = {kind: [cls(tmp_path / kind, monitor="val_loss", save_top_k=1), cls(tmp_path / kind, every_n_train_steps=2)]
+             for kind, cls in (("plain", pl.callbacks.ModelCheckpoint), ("lazy", LazyCheckpoint))}
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=8, val_check_interval=2, callbacks=[*pairs["plain"], *pairs["lazy"]], **QUIET)
+    trainer.fit(make_module_class(pl)())
+    names = {kind: sorted(os.listdir(tmp_path / kind)) for kind in pairs}
+    assert {n for n in names["lazy"] if n.endswith(".ckpt")} == set(names["plain"]), names
+    for kind, callbacks in pairs.items():
+        for callback in callbacks:
+            assert os.path.exists(callback.best_model_path), (kind, callback.best_model_path)
+    assert [os.path.basename(c.best_model_path) for c in pairs["lazy"]] == [
+        os.path.basename(c.best_model_path) for c in pairs["plain"]]
+
+
+def _weights(path):
+    if os.path.isdir(path):
+        return lazyckpt.load(path)["state_dict"]
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(every_n_train_steps=2, save_top_k=1, save_last=True), id="versioned-names"),
+    pytest.param(dict(monitor="val_loss", save_top_k=2, save_last=True, enable_version_counter=False),
+                 id="no-version-counter"),
+    pytest.param(dict(monitor="val_loss", save_top_k=2, save_last=True), id="top-k-monitor"),
+])
+def test_a_new_fit_into_a_used_directory_behaves_as_model_checkpoint(tmp_path, options):
+    dirs = {"plain": tmp_path / "plain", "lazy": tmp_path / "lazy"}
+    # the second run's steps are lower than every step the first one kept; the third's collide with both
+    for max_steps in (16, 4, 8):
+        callbacks = {"plain": pl.callbacks.ModelCheckpoint(dirs["plain"], **options),
+                     "lazy": LazyCheckpoint(dirs["lazy"], **options)}
+        pl.seed_everything(max_steps, verbose=False)
+        pl.Trainer(max_steps=max_steps, val_check_interval=2, callbacks=list(callbacks.values()),
+                   **QUIET).fit(make_module_class(pl)())
+        names = {kind: sorted(n for n in os.listdir(d) if n.endswith(".ckpt")) for kind, d in dirs.items()}
+        assert names["lazy"] == names["plain"], max_steps
+        for name in names["plain"]:  # the same weights behind every name: no name is left on the other run's
+            for key, value in _weights(str(dirs["plain"] / name)).items():
+                assert torch.equal(_weights(str(dirs["lazy"] / name))[key], value), (max_steps, name, key)
+        plain, lazy = callbacks["plain"], callbacks["lazy"]
+        for attribute in ("best_model_path", "last_model_path", "kth_best_model_path"):
+            assert os.path.basename(getattr(lazy, attribute)) == os.path.basename(getattr(plain, attribute))
+        assert sorted(map(os.path.basename, lazy.best_k_models)) == sorted(map(os.path.basename, plain.best_k_models))
+    assert sorted(committed_steps(dirs["lazy"] / "run-002")) == sorted(
+        {int(os.readlink(dirs["lazy"] / n).rsplit("-", 1)[1]) for n in os.listdir(dirs["lazy"])
+         if n.endswith(".ckpt") and os.readlink(dirs["lazy"] / n).startswith("run-002/")})
+    trainer = pl.Trainer(max_steps=10, val_check_interval=2, callbacks=[LazyCheckpoint(dirs["lazy"], **options)],
+                         **QUIET)
+    trainer.fit(make_module_class(pl)(), ckpt_path="last")
+    assert trainer.ckpt_path == os.path.join(dirs["lazy"], "run-002", "step-0000008"), "the newest commit"
+    assert trainer.checkpoint_callback.session is None and (dirs["lazy"] / "run-002" / "step-0000010").is_dir()
