@@ -62,14 +62,21 @@ def _wait_for(condition) -> None:
         time.sleep(0.01)
 
 
+def node_of(rank: int, world_size: int) -> int:
+    """Two ranks: a node each. Three: ranks 0 and 1 share node 0 (rank 1 is no leader), rank 2 has node 1."""
+    return rank if world_size == 2 else int(rank == 2)
+
+
 def _train(rank, world_size, root, out, where):
+    bad = rank == world_size - 1  # the leader of the last node
     if where == "late rename":
-        storage = _RenamesLate(os.path.join(root, "node0")) if rank == BAD_RANK else None
+        storage = _RenamesLate(os.path.join(root, "node0")) if bad else None
     else:
-        storage = _FailsCommit(where) if rank == BAD_RANK else None
+        storage = _FailsCommit(where) if bad else None
     timeout = COMMIT_TIMEOUT_S if where == "late rename" else 60.0
     outcomes = []
-    with lazyckpt.LazyCheckpointer(os.path.join(root, f"node{rank}"), storage=storage, commit_timeout_s=timeout) as ckpt:
+    dirpath = os.path.join(root, f"node{node_of(rank, world_size)}")
+    with lazyckpt.LazyCheckpointer(dirpath, storage=storage, commit_timeout_s=timeout) as ckpt:
         for step in range(1, STEPS + 1):
             state = {"w": lazyckpt.PerRank(torch.full((4,), float(step + 10 * rank)))}  # node-local: nothing shared
             pending = ckpt.save(state, step=step)
@@ -106,3 +113,14 @@ def test_a_leader_giving_up_after_its_rename_takes_the_step_back_everywhere(tmp_
     heard = {rank: json.load(open(out.format(rank=rank))) for rank in range(2)}
     assert heard[0] == [[1, "committed"], [2, "TimeoutError"], [3, "committed"]]
     assert heard[1] == [[1, "committed"], [2, "CommitAbandoned"], [3, "committed"]]
+
+
+def test_a_rank_that_leads_no_directory_hears_the_other_nodes_failure_too(tmp_path):
+    root, out = str(tmp_path), str(tmp_path / "outcomes-{rank}.json")
+    run_ranks(_train, 3, root, out, "manifest")
+    for node in range(2):
+        assert sorted(committed_steps(os.path.join(root, f"node{node}"))) == [1, 3], f"node {node}"
+    heard = {rank: json.load(open(out.format(rank=rank))) for rank in range(3)}
+    assert heard[2] == [[1, "committed"], [2, "OSError"], [3, "committed"]]
+    for rank in (0, 1):  # node 0's leader, and rank 1, which only waits for it
+        assert heard[rank] == [[1, "committed"], [2, "CommitAbandoned"], [3, "committed"]], rank
