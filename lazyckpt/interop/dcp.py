@@ -19,6 +19,7 @@ import io
 import os
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError, CheckpointNotFoundError
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.format.header import torch_dtype
 from lazyckpt.read.reader import CheckpointReader
@@ -35,8 +36,28 @@ from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.tree.paths import tensor_key
 
-REFUSALS = (CheckpointFormatError, CheckpointNotFoundError, OSError)
-"""What the strict reader raises for a checkpoint it cannot read."""
+REFUSALS = (CheckpointFormatError, CheckpointNotFoundError, CheckpointMismatchError, OSError)
+"""What the strict reader raises for a checkpoint it cannot read (or this reader cannot serve)."""
+
+
+class RefusedMetadata(Metadata):
+    """What :meth:`StorageReader.read_metadata` returns for a checkpoint it refuses: reading what it describes
+    (``state_dict_metadata``, ``storage_data``) raises the refusal, so a direct caller never takes it for an empty
+    checkpoint."""
+
+    def __init__(self, refusal: BaseException) -> None:  # no Metadata.__init__: it would assign the fields
+        self.refusal = refusal
+
+    @property
+    def state_dict_metadata(self) -> Any:
+        raise self.refusal
+
+    @property
+    def storage_data(self) -> Any:
+        raise self.refusal
+
+    def __repr__(self) -> str:
+        return f"RefusedMetadata({self.refusal!r})"
 
 
 class StorageReader(dcp.StorageReader):
@@ -55,10 +76,12 @@ class StorageReader(dcp.StorageReader):
         self.storage = storage
         self._where: dict[tuple[str, tuple[int, ...]], Any] = {}
         self._refusal: BaseException | None = None
+        self._reader: CheckpointReader | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
+        self._reader = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -71,18 +94,19 @@ class StorageReader(dcp.StorageReader):
         rank's manifest is checked against the global view when :meth:`read_data` opens it (DCP wraps what a reader
         raises in its own exception, with lazyckpt's message).
 
-        A checkpoint the strict reader refuses gives an empty description here, and :meth:`set_up_storage_reader`,
-        which DCP calls next, raises the refusal: DCP turns an exception of ``read_metadata`` into an
-        ``AssertionError`` that keeps only its text ("metadata is None; global metadata read failed: ...")."""
+        A checkpoint the strict reader refuses gives a :class:`RefusedMetadata` here, whose fields raise the
+        refusal when read, and :meth:`set_up_storage_reader`, which DCP calls next, raises it: DCP turns an
+        exception of ``read_metadata`` into an ``AssertionError`` that keeps only its text ("metadata is None;
+        global metadata read failed: ...")."""
         self._refusal = None
         try:
             return self._describe()
         except REFUSALS as e:
             self._refusal = e
-            return Metadata(state_dict_metadata={})
+            return RefusedMetadata(e)
 
     def _describe(self) -> Metadata:
-        reader = CheckpointReader(self.path, self.storage)
+        reader = self._reader = CheckpointReader(self.path, self.storage)
         index = reader.top.get("tensors", {})
         flat, paths = flatten_state_dict(reader.outline(0))
         described: dict[str, Any] = {}
@@ -97,6 +121,7 @@ class StorageReader(dcp.StorageReader):
                 for box in info["boxes"]:
                     storage_data[MetadataIndex(fqn, box["offsets"])] = (key, box["rank"], box["lengths"])
             elif not isinstance(value, torch.Tensor):
+                _refuse_tensors_inside(value, fqn, reader.path)
                 described[fqn] = BytesStorageMetadata()
                 storage_data[MetadataIndex(fqn)] = ("value", value)
         return Metadata(state_dict_metadata=described, storage_data=storage_data)
@@ -114,7 +139,8 @@ class StorageReader(dcp.StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Copy every requested block into the planner's targets, checksums of the bytes read verified."""
-        with ShardFiles(CheckpointReader(self.path, self.storage), verify=self.verify) as files:
+        reader = self._reader if self._reader is not None else CheckpointReader(self.path, self.storage)
+        with ShardFiles(reader, verify=self.verify) as files:  # the reader of read_metadata: its trees checked
             for item in plan.items:
                 where = self._where[item.storage_index.fqn, tuple(item.storage_index.offset or ())]
                 if item.type == LoadItemType.BYTE_IO:
@@ -132,3 +158,23 @@ class StorageReader(dcp.StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _refuse_tensors_inside(value: Any, fqn: str, where: str) -> None:
+    """DCP serves a value that is not a tensor (a tuple, a numpy array) as bytes of rank 0's outline, whose tensors
+    are placeholders: a tensor inside it would come back as zeros. Refused instead (``lazyckpt.load`` and
+    ``load_into`` read them)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor) or (isinstance(item, np.ndarray) and item.dtype.kind in "biuf"):
+            what = (f"is a {type(value).__name__}" if item is value
+                    else f"holds a {type(item).__name__} inside a {type(value).__name__}")
+            raise CheckpointMismatchError(
+                f"{where}: {fqn!r} {what}, which torch.distributed.checkpoint loads as one opaque value; this "
+                "reader serves tensors only as leaves of dicts and lists: use lazyckpt.load or lazyckpt.load_into "
+                "for this checkpoint")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)

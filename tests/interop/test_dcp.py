@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,3 +30,41 @@ def test_a_refusal_while_describing_the_checkpoint_reaches_the_caller_as_lazyckp
     (error, _), = failure.value.failures.values()
     assert isinstance(error, lazyckpt.CheckpointFormatError), repr(error)
     assert "rank-00000.json" in str(error) and "'w'" in str(error)
+
+
+def test_read_metadata_of_a_refused_checkpoint_raises_lazyckpts_error_when_read_never_looks_empty(tmp_path):
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({"step": 1, "w": torch.ones(2)}, step=1).wait()
+    edit_manifest(os.path.join(path, "rank-00000.json"), lambda d: d["tensors"]["w"].update(dtype="F16"))
+    reseal(path)
+    metadata = StorageReader(path).read_metadata()  # a direct caller, not dcp.load
+    for field in ("state_dict_metadata", "storage_data"):
+        with pytest.raises(lazyckpt.CheckpointFormatError, match=r"rank-00000\.json.*'w'"):
+            getattr(metadata, field)
+
+
+def _dcp_load(path, state):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized"
+        dcp.load(state, storage_reader=StorageReader(path), no_dist=True)
+
+
+@pytest.mark.parametrize("saved, target, what", [
+    ({"pair": (torch.ones(2), 3)}, {"pair": (torch.full((2,), -7.0), 0)}, "holds a Tensor inside a tuple"),
+    ({"a": np.ones(3)}, {"a": np.full(3, -7.0)}, "is a ndarray"),
+])
+def test_a_tensor_dcp_would_load_as_an_opaque_value_is_refused_not_served_as_zeros(tmp_path, saved, target, what):
+    """DCP loads a tuple (or a numpy array) whole, as bytes of rank 0's outline, whose tensors are placeholders:
+    before, ``(ones(2), 3)`` came back as ``(tensor([0., 0.]), 3)``."""
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({**saved, "w": torch.full((2,), 5.0)}, step=1).wait()
+    state = {**target, "w": torch.full((2,), -7.0)}
+    with pytest.raises(CheckpointException) as failure:
+        _dcp_load(path, state)
+    (error, _), = failure.value.failures.values()
+    assert isinstance(error, lazyckpt.CheckpointMismatchError) and what in str(error), repr(error)
+    assert torch.equal(state["w"], torch.full((2,), -7.0)), "nothing was loaded"
+    lists = {"l": [torch.full((2,), -7.0), 0], "w": torch.full((2,), -7.0)}  # a list's tensors are DCP's leaves
+    with lazyckpt.LazyCheckpointer(tmp_path / "list") as ckpt:
+        _dcp_load(ckpt.save({"l": [torch.ones(2), 3], "w": torch.full((2,), 5.0)}, step=1).wait(), lists)
+    assert torch.equal(lists["l"][0], torch.ones(2)) and lists["l"][1] == 3 and torch.equal(lists["w"], 5 * torch.ones(2))
