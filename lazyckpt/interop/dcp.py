@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 from typing import Any
@@ -161,7 +162,7 @@ class StorageReader(dcp.StorageReader):
 
 
 def _refuse_tensors_inside(value: Any, fqn: str, where: str) -> None:
-    """DCP serves a value that is not a tensor (a tuple, a numpy array) as bytes of rank 0's outline, whose tensors
+    """DCP serves a value that is not a tensor (a tuple, a numpy array, a Namespace) as bytes of rank 0's outline, whose tensors
     are placeholders: a tensor inside it would come back as zeros. Refused instead (``lazyckpt.load`` and
     ``load_into`` read them)."""
     stack = [value]
@@ -174,7 +175,9 @@ def _refuse_tensors_inside(value: Any, fqn: str, where: str) -> None:
                 f"{where}: {fqn!r} {what}, which torch.distributed.checkpoint loads as one opaque value; this "
                 "reader serves tensors only as leaves of dicts and lists: use lazyckpt.load or lazyckpt.load_into "
                 "for this checkpoint")
-        if isinstance(item, dict):
+        if isinstance(item, argparse.Namespace):  # a saved Namespace decodes as one (DCP: an opaque value)
+            stack.extend(vars(item).values())
+        elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)

@@ -3,6 +3,7 @@ the caller as lazyckpt's own error (inside DCP's ``CheckpointException``, as DCP
 
 from __future__ import annotations
 
+import argparse
 import os
 import warnings
 
@@ -52,9 +53,11 @@ def _dcp_load(path, state):
 @pytest.mark.parametrize("saved, target, what", [
     ({"pair": (torch.ones(2), 3)}, {"pair": (torch.full((2,), -7.0), 0)}, "holds a Tensor inside a tuple"),
     ({"a": np.ones(3)}, {"a": np.full(3, -7.0)}, "is a ndarray"),
+    ({"ns": argparse.Namespace(w=torch.ones(2))}, {"ns": argparse.Namespace(w=torch.full((2,), -7.0))},
+     "holds a Tensor inside a Namespace"),
 ])
 def test_a_tensor_dcp_would_load_as_an_opaque_value_is_refused_not_served_as_zeros(tmp_path, saved, target, what):
-    """DCP loads a tuple (or a numpy array) whole, as bytes of rank 0's outline, whose tensors are placeholders:
+    """DCP loads a tuple (a numpy array, a Namespace) whole, as bytes of rank 0's outline, whose tensors are placeholders:
     before, ``(ones(2), 3)`` came back as ``(tensor([0., 0.]), 3)``."""
     with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
         path = ckpt.save({**saved, "w": torch.full((2,), 5.0)}, step=1).wait()
