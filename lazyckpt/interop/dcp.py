@@ -122,9 +122,9 @@ class StorageReader(dcp.StorageReader):
                 for box in info["boxes"]:
                     storage_data[MetadataIndex(fqn, box["offsets"])] = (key, box["rank"], box["lengths"])
             elif not isinstance(value, torch.Tensor):
-                _refuse_tensors_inside(value, fqn, reader.path)
                 described[fqn] = BytesStorageMetadata()
-                storage_data[MetadataIndex(fqn)] = ("value", value)
+                refusal = _tensor_inside(value, fqn, reader.path)
+                storage_data[MetadataIndex(fqn)] = ("value", value) if refusal is None else ("refused", refusal)
         return Metadata(state_dict_metadata=described, storage_data=storage_data)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -141,6 +141,10 @@ class StorageReader(dcp.StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Copy every requested block into the planner's targets, checksums of the bytes read verified."""
         reader = self._reader if self._reader is not None else CheckpointReader(self.path, self.storage)
+        for item in plan.items:  # before any target is written
+            where = self._where[item.storage_index.fqn, tuple(item.storage_index.offset or ())]
+            if where[0] == "refused":
+                raise where[1]
         with ShardFiles(reader, verify=self.verify) as files:  # the reader of read_metadata: its trees checked
             for item in plan.items:
                 where = self._where[item.storage_index.fqn, tuple(item.storage_index.offset or ())]
@@ -161,23 +165,24 @@ class StorageReader(dcp.StorageReader):
         return done
 
 
-def _refuse_tensors_inside(value: Any, fqn: str, where: str) -> None:
-    """DCP serves a value that is not a tensor (a tuple, a numpy array, a Namespace) as bytes of rank 0's outline, whose tensors
-    are placeholders: a tensor inside it would come back as zeros. Refused instead (``lazyckpt.load`` and
-    ``load_into`` read them)."""
+def _tensor_inside(value: Any, fqn: str, where: str) -> CheckpointMismatchError | None:
+    """DCP serves a value that is not a tensor (a tuple, a numpy array, a Namespace) as bytes of rank 0's outline,
+    whose tensors are placeholders: a tensor inside it would come back as zeros. The refusal :meth:`read_data`
+    raises when a target asks for such a value (``lazyckpt.load`` and ``load_into`` read them), else None."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor) or (isinstance(item, np.ndarray) and item.dtype.kind in "biuf"):
             what = (f"is a {type(value).__name__}" if item is value
                     else f"holds a {type(item).__name__} inside a {type(value).__name__}")
-            raise CheckpointMismatchError(
+            return CheckpointMismatchError(
                 f"{where}: {fqn!r} {what}, which torch.distributed.checkpoint loads as one opaque value; this "
                 "reader serves tensors only as leaves of dicts and lists: use lazyckpt.load or lazyckpt.load_into "
-                "for this checkpoint")
+                "for this value")
         if isinstance(item, argparse.Namespace):  # a saved Namespace decodes as one (DCP: an opaque value)
             stack.extend(vars(item).values())
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
+    return None

@@ -57,8 +57,9 @@ def _dcp_load(path, state):
      "holds a Tensor inside a Namespace"),
 ])
 def test_a_tensor_dcp_would_load_as_an_opaque_value_is_refused_not_served_as_zeros(tmp_path, saved, target, what):
-    """DCP loads a tuple (a numpy array, a Namespace) whole, as bytes of rank 0's outline, whose tensors are placeholders:
-    before, ``(ones(2), 3)`` came back as ``(tensor([0., 0.]), 3)``."""
+    """DCP loads a tuple (a numpy array, a Namespace) whole, as bytes of rank 0's outline, whose tensors are
+    placeholders: before, ``(ones(2), 3)`` came back as ``(tensor([0., 0.]), 3)``. Refused when a target asks for
+    it; a target that does not still loads."""
     with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
         path = ckpt.save({**saved, "w": torch.full((2,), 5.0)}, step=1).wait()
     state = {**target, "w": torch.full((2,), -7.0)}
@@ -67,6 +68,9 @@ def test_a_tensor_dcp_would_load_as_an_opaque_value_is_refused_not_served_as_zer
     (error, _), = failure.value.failures.values()
     assert isinstance(error, lazyckpt.CheckpointMismatchError) and what in str(error), repr(error)
     assert torch.equal(state["w"], torch.full((2,), -7.0)), "nothing was loaded"
+    others = {"w": torch.full((2,), -7.0)}  # a target that does not ask for the value: served as before
+    _dcp_load(path, others)
+    assert torch.equal(others["w"], torch.full((2,), 5.0))
     lists = {"l": [torch.full((2,), -7.0), 0], "w": torch.full((2,), -7.0)}  # a list's tensors are DCP's leaves
     with lazyckpt.LazyCheckpointer(tmp_path / "list") as ckpt:
         _dcp_load(ckpt.save({"l": [torch.ones(2), 3], "w": torch.full((2,), 5.0)}, step=1).wait(), lists)
