@@ -109,11 +109,12 @@ class StorageReader(dcp.StorageReader):
     def _describe(self) -> Metadata:
         reader = self._reader = CheckpointReader(self.path, self.storage)
         index = reader.top.get("tensors", {})
-        flat, paths = flatten_state_dict(reader.outline(0))
+        outline = reader.outline(0)
+        flat, paths = flatten_state_dict(outline)
         described: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, Any] = {}
         for fqn, value in flat.items():
-            key = tensor_key(tuple(paths[fqn]))
+            key = tensor_key(_saved_path(outline, paths[fqn]))
             if isinstance(value, torch.Tensor) and key in index:
                 info = index[key]
                 chunks = [ChunkStorageMetadata(torch.Size(b["offsets"]), torch.Size(b["lengths"])) for b in info["boxes"]]
@@ -186,3 +187,18 @@ def _tensor_inside(value: Any, fqn: str, where: str) -> CheckpointMismatchError 
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
     return None
+
+
+def _saved_path(state: Any, path: tuple) -> tuple:
+    """The key path ``path`` of DCP's flattening stands for in ``state``: DCP names a dict key by its ``str()``, so
+    ``"7"`` may stand for the int key ``7`` and ``"(1, 'x')"`` for a tuple key."""
+    node, saved = state, []
+    for part in path:
+        if isinstance(node, dict) and part not in node:
+            if isinstance(part, str) and part.lstrip("-").isdigit() and int(part) in node:
+                part = int(part)
+            else:
+                part = next((k for k in node if str(k) == part), part)
+        saved.append(part)
+        node = node[part]
+    return tuple(saved)

@@ -75,3 +75,13 @@ def test_a_tensor_dcp_would_load_as_an_opaque_value_is_refused_not_served_as_zer
     with lazyckpt.LazyCheckpointer(tmp_path / "list") as ckpt:
         _dcp_load(ckpt.save({"l": [torch.ones(2), 3], "w": torch.full((2,), 5.0)}, step=1).wait(), lists)
     assert torch.equal(lists["l"][0], torch.ones(2)) and lists["l"][1] == 3 and torch.equal(lists["w"], 5 * torch.ones(2))
+
+
+def test_tensors_under_int_and_tuple_dict_keys_load_through_dcp(tmp_path):
+    """DCP names a dict key by its str(): "7" stands for the saved int key 7 (before: "Missing key in checkpoint
+    state_dict: d.7", the tensor was not described)."""
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({"d": {7: torch.full((2,), 3.0), (1, "x"): torch.full((2,), 4.0), "7s": 1}}, step=1).wait()
+    state = {"d": {7: torch.full((2,), -7.0), (1, "x"): torch.full((2,), -7.0)}}
+    _dcp_load(path, state)
+    assert torch.equal(state["d"][7], torch.full((2,), 3.0)) and torch.equal(state["d"][(1, "x")], torch.full((2,), 4.0))
