@@ -199,14 +199,26 @@ def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
 # --- walks over an encoded tree ------------------------------------------------------------------------------
 
 def drop_per_rank(tree: Any) -> Any:
-    """The tree with every ``PerRank`` value replaced by None (for a rank the checkpoint has no part for)."""
-    if isinstance(tree, list):
-        return [drop_per_rank(v) for v in tree]
-    if isinstance(tree, dict):
-        if set(tree) == {"$per_rank"}:
-            return None
-        return {k: drop_per_rank(v) for k, v in tree.items()}
-    return tree
+    """The tree with every ``PerRank`` value replaced by None (for a rank the checkpoint has no part for); a copy,
+    made without recursion (a tree of any depth, from any depth of the caller's stack)."""
+    root = [tree]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, at = stack.pop()
+        node = parent[at]
+        if type(node) is dict and set(node) == {"$per_rank"}:
+            parent[at] = None
+            continue
+        if type(node) is list:
+            node = parent[at] = list(node)
+            members = enumerate(node)
+        elif type(node) is dict:
+            node = parent[at] = dict(node)
+            members = iter(node.items())
+        else:
+            continue
+        stack.extend((node, k) for k, v in members if type(v) is list or type(v) is dict)
+    return root[0]
 
 
 def check_references(tree: Any, stored: Iterable[str], where: str) -> None:

@@ -59,6 +59,11 @@ def test_the_deepest_state_save_accepts_loads_and_verifies_150_frames_down(tmp_p
         loaded = loaded["child"]
     assert torch.equal(loaded, torch.arange(3.0) + 1)
     _called_deep(150, lambda: lazyckpt.verify(path))
+    for rank in (0, 3):  # rank 3: the checkpoint has no part for it, so its PerRank values are dropped
+        into = _called_deep(150, lambda: lazyckpt.load_into(path, {"deep": _chain(99)}, rank=rank))["deep"]
+        for _ in range(99):
+            into = into["child"]
+        assert torch.equal(into, torch.arange(3.0) + 1)
     capsys.readouterr()
     assert _called_deep(150, lambda: main(["verify", path])) == 0
     out = capsys.readouterr()
