@@ -92,8 +92,8 @@ class StorageReader(dcp.StorageReader):
 
     def read_metadata(self) -> Metadata:
         """Every global tensor with its blocks, and every plain value of rank 0's tree, under DCP's names. Each
-        rank's manifest is checked against the global view when :meth:`read_data` opens it (DCP wraps what a reader
-        raises in its own exception, with lazyckpt's message).
+        rank's manifest is checked against the global view here, before DCP's planner compares the targets with
+        the shapes it describes (else a global view that lies about a shape gave DCP's own size-mismatch error).
 
         A checkpoint the strict reader refuses gives a :class:`RefusedMetadata` here, whose fields raise the
         refusal when read, and :meth:`set_up_storage_reader`, which DCP calls next, raises it: DCP turns an
@@ -110,6 +110,8 @@ class StorageReader(dcp.StorageReader):
         reader = self._reader = CheckpointReader(self.path, self.storage)
         index = reader.top.get("tensors", {})
         outline = reader.outline(0)
+        for rank in range(1, reader.world_size) if index else ():  # DCP plans with the global view's shapes:
+            reader.open_rank(rank).close()  # each rank's manifest agrees with it first (FORMAT.md rule 20)
         flat, paths = flatten_state_dict(outline)
         described: dict[str, Any] = {}
         storage_data: dict[MetadataIndex, Any] = {}
