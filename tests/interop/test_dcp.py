@@ -85,3 +85,19 @@ def test_tensors_under_int_and_tuple_dict_keys_load_through_dcp(tmp_path):
     state = {"d": {7: torch.full((2,), -7.0), (1, "x"): torch.full((2,), -7.0)}}
     _dcp_load(path, state)
     assert torch.equal(state["d"][7], torch.full((2,), 3.0)) and torch.equal(state["d"][(1, "x")], torch.full((2,), 4.0))
+
+
+def test_each_rank_tree_is_checked_once_per_load(tmp_path, monkeypatch):
+    """read_metadata and read_data open rank 0's manifest each; the walk over its tree (every stored tensor
+    referenced, FORMAT.md rule 21) runs once: the reader keeps the verdict for that manifest's seal."""
+    import lazyckpt.read.reader as reader_module
+
+    walks = []
+    check = reader_module.check_references
+    monkeypatch.setattr(reader_module, "check_references", lambda *a: (walks.append(a[2]), check(*a)))
+    with lazyckpt.LazyCheckpointer(tmp_path) as ckpt:
+        path = ckpt.save({"w": torch.full((2,), 5.0), "n": 1}, step=1).wait()
+    state = {"w": torch.full((2,), -7.0), "n": 0}
+    _dcp_load(path, state)
+    assert torch.equal(state["w"], torch.full((2,), 5.0)) and state["n"] == 1
+    assert len(walks) == 1, walks
