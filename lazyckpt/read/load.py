@@ -80,7 +80,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         if others:  # the global view's tensors, consolidated from every rank's file
             with ShardFiles(reader, verify=verify) as files:
                 tensors.update(files.consolidate(others, device))
-        return unflatten(opened.doc["tree"], tensors, opened.manifest)
+        return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
     finally:
         opened.close()
 

@@ -19,7 +19,7 @@ from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.header import header_length, parse_header, torch_dtype
-from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
+from lazyckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD
 from lazyckpt.format.schema import GlobalView, check_against_global_view, check_member_name, parse_manifest
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
@@ -62,6 +62,8 @@ class CheckpointReader:
                                           "step-NNNNNNN directory, e.g. lazyckpt.latest(dirpath)")
         self.top = self._manifest(MANIFEST, "top", "the checkpoint directory")
         self.view = GlobalView(self.top.get("tensors", {}))
+        self._trees_checked: set[tuple[int, str]] = set()
+        """(rank, manifest seal) of the rank manifests whose trees passed :func:`check_references`."""
 
     @property
     def world_size(self) -> int:
@@ -115,11 +117,21 @@ class CheckpointReader:
         try:
             data_start = _check_header(handle, file, doc, where)
             check_against_global_view(doc, self.view, rank, where)  # before any tensor byte is read
-            check_references(doc["tree"], doc["tensors"], where)
+            self._check_tree(doc, rank, where)
         except BaseException:
             handle.close()
             raise
         return RankFile(where, doc, file, handle, data_start)
+
+    def _check_tree(self, doc: dict[str, Any], rank: int, where: str) -> None:
+        """The tree's depth and references (rule 21), once per rank manifest this reader opens: ``load(rank=r)``
+        and the DCP reader open the same manifest again, and a sealed manifest's seal names its bytes exactly."""
+        seal = doc.get(SEAL_FIELD)
+        if seal is not None and (rank, seal) in self._trees_checked:
+            return
+        check_references(doc["tree"], doc["tensors"], where)
+        if seal is not None:
+            self._trees_checked.add((rank, seal))
 
     def read_whole(self, opened: RankFile, *, verify: bool, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The whole tensors of ``opened``'s file (its rank's own, and boxes that cover their global tensor), read
@@ -139,7 +151,7 @@ class CheckpointReader:
                               verify=True, progress=progress)
             tensors = placeholders(opened)
             tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
-            unflatten(opened.doc["tree"], tensors, opened.manifest)
+            unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
         finally:
             opened.close()
 
@@ -156,7 +168,7 @@ class CheckpointReader:
         try:
             tensors = placeholders(opened)
             tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
-            return unflatten(opened.doc["tree"], tensors, opened.manifest)
+            return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
         finally:
             opened.close()
 

@@ -16,18 +16,22 @@ from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 from lazyckpt.tree import values
 from lazyckpt.tree.encode import MAX_DEPTH, MAX_NODE_DEPTH, node_depth
-from lazyckpt.tree.paths import tensor_key
+from lazyckpt.tree.paths import legacy_int_parts, tensor_key
 
 _TORCH_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_SCALARS = frozenset({type(None), bool, int, float, str})
 _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
-def unflatten(tree: Any, tensors: dict[str, torch.Tensor], where: str = "manifest") -> Any:
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor], where: str = "manifest", *,
+              depth_checked: bool = False) -> Any:
     """Rebuild the saved state from its tree and the loaded tensors (keyed as in the safetensors file).
 
     Errors name ``where`` (the manifest file) and the key path of the bad node, e.g. ``state['model'][0]``.
+    ``depth_checked``: :func:`check_references` (which measures the depth too) already passed this tree.
     """
-    check_depth(tree, where)
+    if not depth_checked:
+        check_depth(tree, where)
     return _Decoder(tensors, where).decode(tree, "state")
 
 
@@ -46,6 +50,8 @@ class _Decoder:
         self.where = where
         self.parts: list[Any] = []
         """The key path of the node being decoded (dict keys, list and tuple indices), as the encoder saw it."""
+        self.legacy: dict[tuple[str, str, Any], Any] = {}
+        """Int parts of older writers' keys seen so far: (text, parent) → int and (int, parent) → text."""
         self.tags: dict[str, Callable[[Any, str], Any]] = {
             "$dict": self._dict, "$tuple": lambda v, p: tuple(self._items(v, p)),
             "$float": self._float, "$tensor": self._tensor, "$inline": lambda v, p: decode_inline_tensor(v),
@@ -68,7 +74,7 @@ class _Decoder:
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
         if isinstance(node, list):
-            return [self.child(v, f"{path}[{i}]", i) for i, v in enumerate(node)]
+            return self._items(node, path)
         if isinstance(node, dict) and len(node) == 1:
             (tag, value), = node.items()
             handler = self.tags.get(tag)
@@ -92,7 +98,9 @@ class _Decoder:
             self.parts.pop()
 
     def _items(self, value: Any, path: str) -> list:
-        return [self.child(x, f"{path}[{i}]", i) for i, x in enumerate(self._list(value, path))]
+        # a JSON scalar stands for itself: no key path to track, no message path to format (a list of ints)
+        return [x if type(x) in _SCALARS else self.child(x, f"{path}[{i}]", i)
+                for i, x in enumerate(self._list(value, path))]
 
     def _dict(self, items: Any, path: str) -> dict:
         out = {}
@@ -105,17 +113,32 @@ class _Decoder:
             if key in out:  # a saved dict holds each key once; a later pair would hide the first (a tensor, say)
                 raise self.fail(path, f"dict key {str(key)[:80]!r} is repeated; the tree was changed after it was "
                                       "written (use another checkpoint)")
-            out[key] = self.child(value, f"{path}[{key!r}]", key)
+            out[key] = value if type(value) in _SCALARS else self.child(value, f"{path}[{key!r}]", key)
         return out
 
     def _tensor(self, key: Any, path: str) -> torch.Tensor:
         if not isinstance(key, str) or key not in self.tensors:
             raise self.fail(path, f"refers to tensor {str(key)[:80]!r}, which the tensor file lacks")
         own = tensor_key(tuple(self.parts))
-        if key != own:  # a tensor's key is its key path (docs/FORMAT.md rule 9): else another tensor's values
+        if key != own and not self._legacy(key):  # a key is its key path (FORMAT.md rule 9): else other values
             raise self.fail(path, f"refers to tensor {key[:80]!r}, but the tensor saved at this key path is named "
                                   f"{own[:80]!r}; the tree was changed after it was written (use another checkpoint)")
         return self.tensors[key]
+
+    def _legacy(self, key: str) -> bool:
+        """An older writer's key for this path (int parts written as an int subclass's text, FORMAT.md rule 21),
+        with each text standing for one int under its parent, and each int under a parent written one way: a
+        reference swapped or copied to a sibling's tensor still fails."""
+        parts = tuple(self.parts)
+        legacy = legacy_int_parts(key, parts)
+        if legacy is None:
+            return False
+        for i, text in legacy:
+            parent = tensor_key(parts[:i])
+            if self.legacy.setdefault(("text", parent, text), parts[i]) != parts[i] \
+                    or self.legacy.setdefault(("int", parent, parts[i]), text) != text:
+                return False
+        return True
 
     def _float(self, value: Any, path: str) -> float:
         if not isinstance(value, str) or value not in _FLOATS:
@@ -176,21 +199,37 @@ def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
 # --- walks over an encoded tree ------------------------------------------------------------------------------
 
 def drop_per_rank(tree: Any) -> Any:
-    """The tree with every ``PerRank`` value replaced by None (for a rank the checkpoint has no part for)."""
-    if isinstance(tree, list):
-        return [drop_per_rank(v) for v in tree]
-    if isinstance(tree, dict):
-        if set(tree) == {"$per_rank"}:
-            return None
-        return {k: drop_per_rank(v) for k, v in tree.items()}
-    return tree
+    """The tree with every ``PerRank`` value replaced by None (for a rank the checkpoint has no part for); a copy,
+    made without recursion (a tree of any depth, from any depth of the caller's stack)."""
+    root = [tree]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, at = stack.pop()
+        node = parent[at]
+        if type(node) is dict and set(node) == {"$per_rank"}:
+            parent[at] = None
+            continue
+        if type(node) is list:
+            node = parent[at] = list(node)
+            members = enumerate(node)
+        elif type(node) is dict:
+            node = parent[at] = dict(node)
+            members = iter(node.items())
+        else:
+            continue
+        stack.extend((node, k) for k, v in members if type(v) is list or type(v) is dict)
+    return root[0]
 
 
 def check_references(tree: Any, stored: Iterable[str], where: str) -> None:
     """Every tensor of a rank's file is part of its state: the rank's tree refers to it (docs/FORMAT.md rule 21;
-    a writer stores only the tensors of its state). Else the tree lost a tensor, or a reference was moved."""
-    check_depth(tree, where)
-    unused = sorted(set(stored) - tensor_keys(tree))
+    a writer stores only the tensors of its state). Else the tree lost a tensor, or a reference was moved. Also
+    refuses a tree nested deeper than any save writes (:func:`check_depth`), in the same walk; the walk itself
+    never recurses, so a tree of any depth is measured from any depth of the caller's stack."""
+    depth, keys = _walk(tree)
+    if depth > MAX_NODE_DEPTH:
+        check_depth(tree, where)
+    unused = sorted(set(stored) - keys)
     if unused:
         raise CheckpointFormatError(f"{where}: the tree refers to none of the stored tensors {unused[:5]} "
                                     f"({len(unused)} in all); a writer stores only tensors of the state, so the "
@@ -198,11 +237,24 @@ def check_references(tree: Any, stored: Iterable[str], where: str) -> None:
 
 
 def tensor_keys(tree: Any) -> set[str]:
-    """Every ``$tensor`` key a tree refers to."""
-    if isinstance(tree, list):
-        return set().union(*(tensor_keys(v) for v in tree))
-    if isinstance(tree, dict):
-        if set(tree) == {"$tensor"} and isinstance(tree["$tensor"], str):
-            return {tree["$tensor"]}
-        return set().union(*(tensor_keys(v) for v in tree.values()))
-    return set()
+    """Every ``$tensor`` key a tree refers to (walked without recursion)."""
+    return _walk(tree)[1]
+
+
+def _walk(tree: Any) -> tuple[int, set[str]]:
+    """The JSON nesting of ``tree`` and every ``$tensor`` key it refers to, in one walk with an explicit stack
+    into one set (scalars are never pushed: a list of 500,000 ints costs one filter)."""
+    keys: set[str] = set()
+    deepest, stack = 1, [(tree, 1)] if type(tree) is list or type(tree) is dict else []
+    pop, push, add = stack.pop, stack.extend, keys.add
+    while stack:
+        node, depth = pop()
+        if depth > deepest:
+            deepest = depth
+        if type(node) is dict:
+            if len(node) == 1 and "$tensor" in node and type(node["$tensor"]) is str:
+                add(node["$tensor"])
+                continue
+            node = node.values()
+        push([(v, depth + 1) for v in node if type(v) is list or type(v) is dict])
+    return deepest, keys

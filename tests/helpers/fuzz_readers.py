@@ -68,10 +68,51 @@ def save_fsdp2(rank: int, world_size: int, dirpath: str) -> None:
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, [opt])
-    state = {"model": msd, "optim": osd, "table": torch.arange(10), "step": 1,
-             "rank": lazyckpt.PerRank({"seed": rank, "rng": torch.full((3,), rank, dtype=torch.int32)})}
+    state = {"model": msd, "optim": osd, "table": torch.arange(1, 11), "step": 1, "extra": _extra(),
+             "rank": lazyckpt.PerRank({"seed": rank, "rng": torch.full((3,), rank + 1, dtype=torch.int32),
+                                       "pair": (torch.full((2,), rank + 1.5), rank)})}
+    _make_distinct(state)
     with lazyckpt.LazyCheckpointer(dirpath) as ckpt:
         ckpt.save(state, step=1).wait()
+
+
+@dataclass
+class Cell:
+    w: torch.Tensor
+    n: int
+
+
+def _extra() -> dict[Any, Any]:
+    """Tensors at key paths of every kind a tree tracks (docs/FORMAT.md rule 21): list and tuple indices, int and
+    tuple dict keys, a dataclass's fields, a Namespace's, a numpy array; a DCP target holds only :data:`DCP_KEYS`."""
+    ones = torch.ones(2)
+    return {"list": [ones, 3, torch.ones(3)], 7: torch.ones(2), (1, "x"): torch.ones(2), "cell": Cell(ones.clone(), 1),
+            "tuple": (torch.ones(2), "x"), "nested": [{"k": (torch.ones(2),)}], "array": np.arange(1.0, 4.0),
+            "ns": argparse.Namespace(w=torch.ones(2))}
+
+
+DCP_KEYS = ("list", 7, (1, "x"), "cell")
+"""The extra values DCP loads as tensors (it takes a tuple, a numpy array or a Namespace as one opaque value, which
+lazyckpt's DCP reader refuses when it holds a tensor)."""
+
+
+def _make_distinct(state: Any) -> None:
+    """Every tensor of ``state`` made non-zero and unlike any other (``+ 100 * n``, the same on every rank), so a
+    reference moved to another tensor, or a target left unwritten, never reads as the same data."""
+    stack, n = [state], 0
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            n += 1
+            local = value.to_local() if hasattr(value, "to_local") else value
+            with torch.no_grad():
+                local.add_(100 * n)
+        elif isinstance(value, dict):
+            stack.extend(reversed(value.values()))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, (Cell, argparse.Namespace)):
+            stack.extend(reversed(vars(value).values()))
 
 
 class Hang(BaseException):
@@ -93,14 +134,19 @@ def watchdog(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _zeros(value: Any) -> Any:
-    """A fresh target of ``value``'s layout: every tensor zeroed, every other value as it is."""
+def _sentinel(value: Any) -> Any:
+    """A fresh target of ``value``'s layout: every tensor (and numpy array) filled with NaN, or -7 for ints, which
+    no saved value holds, so a position a reader leaves unwritten never looks the same; other values as they are."""
     if isinstance(value, torch.Tensor):
-        return torch.zeros_like(value)
+        return torch.full_like(value, math.nan if value.is_floating_point() else -7)
+    if isinstance(value, np.ndarray):
+        return np.full_like(value, math.nan if value.dtype.kind == "f" else -7)
     if isinstance(value, dict):
-        return {k: _zeros(v) for k, v in value.items()}
+        return {k: _sentinel(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_zeros(v) for v in value)
+        return type(value)(_sentinel(v) for v in value)
+    if isinstance(value, argparse.Namespace):
+        return argparse.Namespace(**_sentinel(vars(value)))
     return value
 
 
@@ -109,7 +155,8 @@ def _dcp_load(path: str, template: dict[str, Any]) -> Any:
 
     from lazyckpt.interop.dcp import StorageReader
 
-    state = _zeros({k: v for k, v in template.items() if k != "rank"})  # DCP serves no PerRank tensor
+    state = _sentinel({k: v for k, v in template.items() if k not in ("rank", "extra")})  # no PerRank tensor
+    state["extra"] = _sentinel({k: template["extra"][k] for k in DCP_KEYS})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
         dcp.load(state, storage_reader=StorageReader(path), no_dist=True)
@@ -137,7 +184,7 @@ def readers(template: Any) -> dict[str, Callable[[str], Any]]:
 
     return {"load rank 0": lambda path: lazyckpt.load(path, rank=0),
             "load rank 1": lambda path: lazyckpt.load(path, rank=1),
-            "load_into": lambda path: lazyckpt.load_into(path, _zeros(template), rank=0),
+            "load_into": lambda path: lazyckpt.load_into(path, _sentinel(template), rank=0),
             "dcp": lambda path: _dcp_load(path, template),
             "verify": verify, "lazyckpt verify": _cli_verify}
 
@@ -190,6 +237,8 @@ def same(a: Any, b: Any) -> bool:
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, np.ndarray):
         return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, argparse.Namespace):
+        return same(vars(a), vars(b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):

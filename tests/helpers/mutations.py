@@ -265,15 +265,17 @@ def _tree(file: str, doc: dict[str, Any], global_keys: list[str]) -> Iterator[Mu
                   "../" + key, *[k for k in global_keys if k not in keys][:1], 0, None, [key]]
         yield from _values(file, "tree refs", ref, [k for k in others if k != key])
         yield from _values(file, "tree refs", path, [{"$tensor": key, "extra": 0}, {"$inline": key}])
-        pair = path[:-1]  # ["name", {"$tensor": key}] inside a $dict
-        yield Mutation("tree refs", file, f"{file}{_text(pair)} duplicated", _duplicator(pair))
-        for value in (None, 0):
-            yield Mutation("tree refs", file, f"{file}{_text(pair)} shadowed by a later pair of its key holding "
-                                               f"{value!r}", _shadower(pair, value))
+        in_pair = len(path) >= 3 and path[-3] == "$dict" and path[-1] == 1  # ["name", {"$tensor": key}]
+        member = path[:-1] if in_pair else path  # the pair, a list or $tuple item, or a wrapper's value
+        if in_pair or isinstance(path[-1], int):
+            yield Mutation("tree refs", file, f"{file}{_text(member)} duplicated", _duplicator(member))
+        for value in (None, 0) if in_pair else ():
+            yield Mutation("tree refs", file, f"{file}{_text(member)} shadowed by a later pair of its key holding "
+                                               f"{value!r}", _shadower(member, value))
         if key in doc["tensors"]:  # a rank may lack a global tensor another rank stores (a DTensor on a sub-mesh):
             # dropping the reference to one gives a valid checkpoint of another state, like a changed plain value
             yield from _values(file, "tree refs", path, [key])
-            yield Mutation("tree refs", file, f"{file}{_text(pair)} deleted", _deleter(pair))
+            yield Mutation("tree refs", file, f"{file}{_text(member)} deleted", _deleter(member))
     for (a, ka), (b, kb) in zip(refs[::2], refs[1::2]):
         yield Mutation("tree refs", file, f"{file}: tree references {ka!r} and {kb!r} swapped",
                        _swapper((*a, "$tensor"), (*b, "$tensor")))
@@ -295,13 +297,14 @@ def _swapper(a: tuple, b: tuple) -> Callable[[Any], None]:
 
 
 def _harmless(docs: Docs) -> Iterator[Mutation]:
-    """Edits a valid checkpoint may hold: every reader must read the same data as before."""
+    """Edits a valid checkpoint may hold: every reader must read the same data as before (families ``harmless``
+    and ``order``)."""
     top = docs[TOP]
     yield from _values(TOP, "harmless", ("library_version",), ["9.9.9", ""])
-    yield from _values(TOP, "harmless", ("tensors",), [dict(reversed(top["tensors"].items()))])
-    for file in sorted(docs):
+    yield from _values(TOP, "order", ("tensors",), [dict(reversed(top["tensors"].items()))])
+    for file in sorted(docs):  # a family of their own: each is drawn (dict equality is blind to them)
         if file != TOP:
-            yield from _values(file, "harmless", ("tensors",), [dict(reversed(docs[file]["tensors"].items()))])
+            yield from _values(file, "order", ("tensors",), [dict(reversed(docs[file]["tensors"].items()))])
 
 
 def every_mutation(docs: Docs) -> Iterator[Mutation]:
@@ -341,7 +344,8 @@ def draw(docs: Docs, count: int, seed: int) -> list[tuple[Mutation, Docs]]:
     rng = random.Random(seed)
     for name in sorted(families):
         rng.shuffle(families[name])
-    seen = {_digest(TOP, docs[TOP], True)}
+    untouched = {file: encode(doc) for file, doc in docs.items()}
+    seen = {_digest(TOP, untouched[TOP], True)}
     drawn: list[tuple[Mutation, Docs]] = []
     while len(drawn) < count and any(families.values()):
         for name in sorted(families):
@@ -349,16 +353,17 @@ def draw(docs: Docs, count: int, seed: int) -> list[tuple[Mutation, Docs]]:
                 mutation = families[name].pop()
                 doc = copy.deepcopy(docs[mutation.file])
                 mutation.edit(doc)
-                digest = _digest(mutation.file, doc, mutation.reseal_header)
-                if doc != docs[mutation.file] and digest not in seen:
+                raw = encode(doc)
+                digest = _digest(mutation.file, raw, mutation.reseal_header)
+                if raw != untouched[mutation.file] and digest not in seen:  # not doc != ...: == is blind to order
                     seen.add(digest)
                     drawn.append((mutation, {**docs, mutation.file: doc}))
                     break
     return drawn
 
 
-def _digest(file: str, doc: Any, reseal_header: bool) -> str:
-    return hashlib.sha256(f"{file}{reseal_header}".encode() + encode(doc)).hexdigest()
+def _digest(file: str, raw: bytes, reseal_header: bool) -> str:
+    return hashlib.sha256(f"{file}{reseal_header}".encode() + raw).hexdigest()
 
 
 def read_docs(path: str) -> Docs:
