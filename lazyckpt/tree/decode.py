@@ -165,10 +165,12 @@ class _Decoder:
 
     def _torch_device(self, value: Any, path: str) -> torch.device:
         # torch.device parses more than it keeps: "cuda:128" wraps to index -128, which torch.load(weights_only=True)
-        # then refuses, and "cuda:256" to "cuda:0". A save writes str(device), which reads back as written.
+        # then refuses, and "cuda:256" to "cuda:0". A save writes str(device), whose index reads back as written.
+        # Only the index is compared: a backend may be renamed in the reader ("privateuseone:0" reads as "npu:0").
         text = self._str(value, path)
         device = torch.device(text)
-        if str(device) != text:
+        _, colon, index = text.partition(":")
+        if device.index != (int(index) if colon and index.isdigit() else None) or (colon and not index.isdigit()):
             raise self.fail(path, f"device {text[:80]!r} does not read back as written (torch makes it "
                                   f"{str(device)!r}); a save writes str(device)")
         return device

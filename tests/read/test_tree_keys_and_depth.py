@@ -136,3 +136,18 @@ def test_keys_of_equal_tuple_keys_of_other_types_do_not_depend_on_what_the_proce
         assert torch.equal(lazyckpt.load(a)["d"][(1, "x")], torch.ones(2))
         assert torch.equal(lazyckpt.load(b)["d"][(1.0, "x")], torch.full((2,), 2.0))
         paths._cached.cache_clear()
+
+
+def test_a_device_of_a_backend_the_reader_renamed_still_loads(tmp_path):
+    """torch_npu and the like rename the privateuse1 backend when imported: "privateuseone:0" then reads as
+    "npu:0". Its index reads back as written, so the checkpoint is valid (only the index is compared)."""
+    import subprocess
+    import sys
+
+    with lazyckpt.LazyCheckpointer(tmp_path / "ckpt") as ckpt:
+        path = ckpt.save({"device": torch.device("privateuseone", 0)}, step=1).wait()
+    code = ("import sys, torch, lazyckpt; torch.utils.rename_privateuse1_backend('npu'); "
+            "print(lazyckpt.load(sys.argv[1])['device'])")
+    result = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "npu:0"
