@@ -173,15 +173,22 @@ class DirectoryLock:
         """Unlock; with ``tidy``, leave nothing in a directory of this job that holds nothing but locks."""
         if self._lock is None:
             return
-        if self._note is not None and self._storage.stat(self._note) is not None:
-            self._storage.remove_file(self._note)
-        unused = tidy and all(_is_lock(n) for n in self._storage.list_dir(self._dirpath))
-        if unused and self._storage.stat(self.path) is not None:
-            self._storage.remove_file(self.path)  # while still held: no other writer can hold this file meanwhile
+        try:
+            if self._note is not None and self._storage.stat(self._note) is not None:
+                self._storage.remove_file(self._note)
+            unused = tidy and all(_is_lock(n) for n in self._storage.list_dir(self._dirpath))
+            if unused and self._storage.stat(self.path) is not None:
+                self._storage.remove_file(self.path)  # while still held: no other writer can hold it meanwhile
+        except OSError as e:  # tidying is a courtesy: the lock is released whatever the directory does
+            logger.warning("lazyckpt: could not tidy %s at close: %r", self._dirpath, e)
+            unused = False
         self._lock.release()
         self._lock = None
-        if unused and self._ours and not self._storage.list_dir(self._dirpath):
-            self._storage.remove_tree(self._dirpath)
+        try:
+            if unused and self._ours and not self._storage.list_dir(self._dirpath):
+                self._storage.remove_tree(self._dirpath)
+        except OSError as e:
+            logger.warning("lazyckpt: could not remove the unused directory %s: %r", self._dirpath, e)
 
 
 def _is_lock(name: str) -> bool:
