@@ -26,12 +26,14 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lazyckpt.format.catalog import committed_steps
+from lazyckpt.levels.aliases import alias_step
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
 from lazyckpt.read.load import latest, load
 from lazyckpt.storage import FileKind, LocalStorage
 from lazyckpt.storage.base import kind_of
+from lazyckpt.storage.urls import is_url
 
 
 class LazyFabricIO(CheckpointIO):
@@ -41,19 +43,37 @@ class LazyFabricIO(CheckpointIO):
     ``load_checkpoint`` on every rank.
 
     Args:
-        keep_last_k: keep the newest k steps of each folder, with their names (None keeps all); a step whose name
-            moved to a newer step (``fabric.save`` to the same path again) is removed unless it is one of those k.
+        keep_last_k: keep the newest k steps of each folder, with their names (None: every step a name points at);
+            a step whose name moved to a newer step (``fabric.save`` to the same path again) is removed unless it is
+            one of those k.
         **options: :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
-            ``keep_in_memory``, ``remote=``, ...), checked at construction.
+            ``keep_in_memory``, ...), checked at construction (``remote=`` is refused for now: docs/fabric.md).
     """
 
     def __init__(self, *, keep_last_k: int | None = None, **options: Any) -> None:
+        if options.get("remote") is not None or is_url(os.fspath(options.get("spool_dir") or "")):
+            raise ValueError("LazyFabricIO(remote=...) is not supported yet: each folder's steps are numbered on "
+                             "their own, so two folders would overwrite each other's steps on one remote; use "
+                             "lazyckpt.LazyCheckpointer(dirpath, remote=URL) in the loop instead")
         self.options, _ = SessionOptions.from_keywords(options, owner="LazyFabricIO", source="Fabric",
                                                        keep_last_k=keep_last_k)
         self._runs: dict[str, _Run] = {}
         self._torch_io = TorchCheckpointIO()
+        self._start()
+
+    def _start(self) -> None:
+        """What does not cross a process boundary: the barrier hook, the optimizers seen stepping, the exit hook."""
         self._stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._hook = register_optimizer_step_pre_hook(_weakly(self._before_update))
+        self._at_exit = weakref.finalize(self, _close_runs, self._runs)  # names put in place at a normal exit too
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the strategy, and this plugin with it
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_stepped", "_hook", "_at_exit")}
+        return {**state, "_runs": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
 
     # --- Fabric's calls -------------------------------------------------------------------------------------
 
@@ -61,14 +81,23 @@ class LazyFabricIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("LazyFabricIO takes no storage_options at save; give remote= and storage_options= to "
                             "LazyFabricIO(...) instead")
+        if is_url(os.fspath(path)):
+            raise ValueError(f"LazyFabricIO saves to local folders; path={os.fspath(path)!r} is a URL")
         name = os.path.abspath(os.fspath(path))
-        self._run_for(os.path.dirname(name)).save(name, checkpoint, list(self._stepped))
+        if kind_of(LocalStorage(), name) is FileKind.DIR and LocalStorage().stat(name).kind is FileKind.DIR:
+            raise IsADirectoryError(f"fabric.save(path={os.fspath(path)!r}): that is a directory (a run folder or a "
+                                    "step?); lazyckpt makes path a name of the new step, so give a file name, "
+                                    "e.g. os.path.join(path, 'last.ckpt')")
+        run = self._run_for(os.path.dirname(name))
+        run.save(name, checkpoint, list(self._stepped))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         name = os.path.abspath(os.fspath(path))
-        run = self._runs.get(os.path.dirname(name))
-        if run is not None:
-            run.names.poll(block=True)  # a name this process saved exists once its checkpoint committed
+        for folder, run in list(self._runs.items()):
+            run.session.engine.wait_staged()  # the load may write into tensors a copy still reads
+            if folder in (name, os.path.dirname(name)):
+                run.names.poll(block=True)  # a name or run folder this process saved into: its commits first
+                run.session.engine.wait_staged()  # and a failed one raises here, not at the next update
         target = _lazyckpt_checkpoint(name)
         if target is None:
             return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -97,9 +126,7 @@ class LazyFabricIO(CheckpointIO):
 
     def close(self) -> None:
         """Finish every checkpoint in flight and put its name in place; release the folders. Idempotent."""
-        runs, self._runs = self._runs, {}
-        for run in runs.values():
-            run.names.close(raise_errors=True)
+        _close_runs(self._runs)
 
     @property
     def stalls(self) -> dict[int, float]:
@@ -114,8 +141,11 @@ class LazyFabricIO(CheckpointIO):
             run.session.barrier()
 
     def _run_for(self, dirpath: str) -> _Run:
+        """The folder's run; a save into another folder first finishes and closes the others (a LitGPT-style loop
+        saves each step into a folder of its own: one engine and host pool at a time, not one per folder)."""
         run = self._runs.get(dirpath)
         if run is None:
+            _close_runs(self._runs)
             session = CheckpointSession(dirpath, self.options, rank=0, world_size=1, engine_retention=False)
             run = self._runs[dirpath] = _Run(session)
         return run
@@ -134,7 +164,11 @@ class _Run:
         self._state: tuple[dict[str, Any], list[torch.optim.Optimizer]] | None = None
         self.names = CheckpointNames(session, self._request)
         self._named: dict[str, int] = {}
-        """This run's names and the steps they point at (for ``keep_last_k``)."""
+        """The folder's names and the steps they point at (for ``keep_last_k``), an earlier process's too."""
+        for entry in session.storage.list_dir(session.dirpath):
+            step = alias_step(session.storage, os.path.join(session.dirpath, entry))
+            if step is not None:
+                self._named[os.path.join(session.dirpath, entry)] = step
         self._next = max(committed_steps(session.dirpath, session.storage), default=0) + 1
 
     def save(self, name: str, checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -160,6 +194,19 @@ class _Run:
         checkpoint, optimizers = self._state
         self._state = None
         return self.session.save(step, replicated=checkpoint, per_rank={}, optimizers=optimizers)
+
+
+def _close_runs(runs: dict[str, _Run]) -> None:
+    """Finish and close every run (all of them, even after one raised: the first failure is raised then)."""
+    error = None
+    while runs:
+        _, run = runs.popitem()
+        try:
+            run.names.close(raise_errors=True)
+        except BaseException as e:  # noqa: BLE001 - raised once every run is closed
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _weakly(method: Any) -> Any:

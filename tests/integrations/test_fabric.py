@@ -116,3 +116,46 @@ def test_ddp_rank_0_saves_lazily_and_every_rank_resumes_bit_exact(tmp_path):
     final = run("train")
     resumed = run("resume")
     assert final == resumed
+
+
+def test_a_save_to_a_directory_is_refused_and_deletes_nothing(tmp_path):
+    io = lazyckpt.LazyFabricIO()
+    fabric, model, opt = fresh(io)
+    train(fabric, model, opt, 0, 2, save_dir=tmp_path / "run")
+    io.wait()
+    with pytest.raises(IsADirectoryError, match="give a file name"):
+        fabric.save(tmp_path / "run", {"model": model})
+    io.close()
+    assert sorted(n for n in os.listdir(tmp_path / "run") if not n.startswith(".")) == [
+        "iter-1.ckpt", "iter-2.ckpt", "step-0000001", "step-0000002"]
+
+
+def test_keep_last_k_counts_the_names_an_earlier_process_left(tmp_path):
+    io = lazyckpt.LazyFabricIO(keep_last_k=2)
+    fabric, model, opt = fresh(io)
+    train(fabric, model, opt, 0, 3, save_dir=tmp_path)  # iter-2.ckpt and iter-3.ckpt stay
+    io.close()
+    io = lazyckpt.LazyFabricIO(keep_last_k=2)  # a later process, same folder: its names count too
+    fabric, model, opt = fresh(io)
+    for i in (7, 8):
+        fabric.save(tmp_path / f"more-{i}.ckpt", {"model": model})
+    io.close()
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == [
+        "more-7.ckpt", "more-8.ckpt", "step-0000004", "step-0000005"]
+
+
+def test_saving_into_a_new_folder_finishes_the_previous_ones_engine(tmp_path):
+    io = lazyckpt.LazyFabricIO()
+    fabric, model, opt = fresh(io)
+    for i in range(3):  # LitGPT: out/step-00000i/lit_model.pth
+        fabric.save(tmp_path / f"step-{i:06d}" / "lit_model.pth", {"model": model, "iter": i})
+        assert len(io._runs) == 1, "one engine at a time"
+    io.close()
+    assert [lazyckpt.load(tmp_path / f"step-{i:06d}" / "lit_model.pth")["iter"] for i in range(3)] == [0, 1, 2]
+
+
+def test_the_plugin_pickles_for_spawned_processes_and_keeps_its_barrier():
+    import pickle
+
+    io = pickle.loads(pickle.dumps(lazyckpt.LazyFabricIO(keep_last_k=2)))
+    assert io.options.keep_last_k == 2 and io._hook is not None
