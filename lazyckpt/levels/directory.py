@@ -24,6 +24,7 @@ from lazyckpt.format.files import PARTIAL_SUFFIX, SUPERSEDED_SUFFIX, step_dirnam
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.ranks.rendezvous import Rendezvous, leader_of
 from lazyckpt.storage import Storage, StorageLock
+from lazyckpt.storage.local import process_identity
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class DirectoryLock:
             if self._note is None:
                 _refuse_another_jobs_rank(dirpath, rank, world_size, storage)
             else:
-                note = {"world_size": world_size, "pid": os.getpid(), "host": socket.gethostname()}
+                note = {"world_size": world_size, "pid": os.getpid(), "host": socket.gethostname(),
+                        "process": process_identity(os.getpid())}
                 storage.write_atomic(self._note, json.dumps(note).encode(), sync=False)
         except BaseException:
             self.release()
@@ -202,25 +204,17 @@ def _refuse_another_jobs_rank(dirpath: str, rank: int, world_size: int, storage:
     """Raise when a live rank 0 on this host writes ``dirpath`` for a job of another size."""
     try:
         note = json.loads(storage.read_bytes(os.path.join(dirpath, JOB_NOTE), max_bytes=4096))
-        size, pid, host = int(note["world_size"]), int(note["pid"]), str(note["host"])
+        size, pid, host, who = int(note["world_size"]), int(note["pid"]), str(note["host"]), note["process"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # no note (rank 0 not started, or none live): the commit checks the step it finds
-    if size == world_size or host != socket.gethostname() or not _alive(pid):
+    # Live only when the very process that wrote the note still runs here: a crash leaves the note behind, and its
+    # number may be reused by another process (or name one in another container sharing the host name).
+    if size == world_size or host != socket.gethostname() or who is None or process_identity(pid) != who:
         return
     raise DirectoryLockedError(
         f"{dirpath} is written by a live {size}-rank job (rank 0 is process {pid}); this process says it is rank "
         f"{rank} of {world_size}. Give each job its own dirpath, or start every rank of one job with the same "
         f"world_size (if no such job runs, remove {os.path.join(dirpath, JOB_NOTE)})")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def remove_partials(dirpath: str, storage: Storage) -> list[str]:

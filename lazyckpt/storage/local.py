@@ -183,3 +183,17 @@ class _FileLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def process_identity(pid: int) -> str | None:
+    """Who process ``pid`` is on this machine, beyond its number: the boot and the process's start time (Linux
+    ``/proc``), so a number reused by a later process does not pass for the one that wrote it; None when it does
+    not run, or where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+        return f"{boot.decode()}:{int(fields[19])}"  # field 22 of the whole line: start time since boot
+    except (OSError, IndexError, ValueError):
+        return None

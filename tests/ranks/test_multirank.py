@@ -90,3 +90,16 @@ def test_a_process_calling_itself_rank_1_of_a_live_1_rank_job_is_refused_at_cons
     with lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2), \
             lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2):
         pass
+
+
+def test_a_note_left_by_a_crashed_job_whose_process_number_was_reused_refuses_nobody(tmp_path):
+    # A 1-rank job was killed and left its note; its process number now belongs to another process (here: this
+    # one). A 2-rank job's rank 1 starting before its rank 0 must not be refused.
+    import json as _json
+
+    note = {"world_size": 1, "pid": os.getpid(), "host": __import__("socket").gethostname(),
+            "process": "another-boot:12345"}
+    (tmp_path / ".job-rank00000.json").write_text(_json.dumps(note))
+    with lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2), \
+            lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2):
+        pass
