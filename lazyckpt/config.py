@@ -61,10 +61,11 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def check_option_names(options: Iterable[str], *, owner: str, extra: Iterable[str] = ()) -> None:
-    """Refuse an option that is no :class:`CheckpointConfig` field (nor one of ``extra``), naming the closest valid
-    one: a typo must not read as Python's bare ``unexpected keyword argument``."""
-    valid = sorted({f.name for f in fields(CheckpointConfig)} | set(extra))
+def check_option_names(options: Iterable[str], *, owner: str, extra: Iterable[str] = (),
+                       left_out: Iterable[str] = ()) -> None:
+    """Refuse an option that is no :class:`CheckpointConfig` field (nor one of ``extra``; ``left_out`` ones are not
+    offered), naming the closest valid one: a typo must not read as Python's bare ``unexpected keyword argument``."""
+    valid = sorted(({f.name for f in fields(CheckpointConfig)} | set(extra)) - set(left_out))
     unknown = [name for name in options if name not in valid]
     if unknown:
         name = unknown[0]

@@ -163,3 +163,10 @@ def test_saving_before_the_optimizer_step_is_told_to_save_after_it(tmp_path):
         with pytest.raises(lazyckpt.SnapshotConsistencyError, match=r"call save\(\) right after optimizer.step\(\), "
                                                                     r"not between backward\(\) and optimizer.step\(\)"):
             pending.wait()
+
+
+def test_an_integration_option_passed_as_an_engine_option_says_where_it_goes(tmp_path):
+    pytest.importorskip("lightning")
+    with pytest.raises(TypeError, match=r"'max_rollbacks' is an argument of LazyCheckpoint itself, not an engine "
+                                        r"option"):
+        lazyckpt.LazyCheckpoint(tmp_path, engine_options={"max_rollbacks": 2})

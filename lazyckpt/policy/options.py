@@ -90,8 +90,12 @@ class SessionOptions:
                              "and keep_last_k is an argument of its own")
         self.engine = {**self.engine, **{k: getattr(self, k) for k in self._REMOTE_OPTIONS
                                          if getattr(self, k) != type(self).__dataclass_fields__[k].default}}
-        own = [f.name for f in fields(self) if f.init and f.name not in self._NOT_USER_OPTIONS]
-        check_option_names(self.engine, owner=self.owner, extra=(*ENGINE_OBJECTS, *own))
+        own = {f.name for f in fields(self) if f.init and f.name not in self._NOT_USER_OPTIONS}
+        misplaced = sorted(set(self.engine) & own - {f.name for f in fields(CheckpointConfig)})
+        if misplaced:
+            raise TypeError(f"{self.owner}: {misplaced[0]!r} is an argument of {self.owner} itself, not an engine "
+                            f"option: pass {self.owner}(..., {misplaced[0]}=...)")
+        check_option_names(self.engine, owner=self.owner, extra=ENGINE_OBJECTS, left_out=SET_BY_THE_RUN)
         config = {k: v for k, v in self.engine.items() if k not in ENGINE_OBJECTS}
         self._config = CheckpointConfig(keep_last_k=self.keep_last_k, **config)  # every check, now
 
