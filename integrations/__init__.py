@@ -15,6 +15,8 @@ on the policy layer (:mod:`lazyckpt.policy`) and holds no format, threading or r
 | ``_accelerate_sharded`` | Accelerate's FSDP version 2: each process its own shards, resharded on resume |
 | ``_accelerate_rollback`` | ``hook.rollback()``: the loop's state into the rollback policy and back |
 | ``fabric`` | ``LazyFabricIO``: ``fabric.save``/``fabric.load`` with lazy checkpoints (the barrier is every optimizer's step pre-hook) |
+| ``transformers`` | ``LazyCheckpointCallback`` for the Hugging Face ``Trainer`` (and TRL's trainers) |
+| ``_transformers_state`` | what the callback captures from and restores into the Trainer, the Trainer's files in a step directory, its retention rule |
 | ``url`` | ``lazyckpt://`` URLs: Lightning's own loading reads lazyckpt checkpoints |
 | ``_compat`` | every private Lightning and Accelerate attribute the adapters use, each with its reason |
 """

@@ -50,6 +50,7 @@ _INTEGRATIONS = {
     "LazyCheckpointIO": "lazyckpt.integrations.lightning",
     "LazyCheckpointHook": "lazyckpt.integrations.accelerate",
     "LazyFabricIO": "lazyckpt.integrations.fabric",
+    "LazyCheckpointCallback": "lazyckpt.integrations.transformers",
 }
 
 
@@ -67,7 +68,7 @@ __all__ = sorted([
     "CheckpointMismatchError", "CheckpointNotFoundError", "CommitAbandoned", "NothingToRollBackTo",
     "RemoteUnreachableError", "RollbackLimitError", "RollbackPolicy", "is_nonfinite",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
-    "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "LazyFabricIO", "OnBusy", "OnOlderStep", "PendingCheckpoint",
+    "LazyCheckpointCallback", "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "LazyFabricIO", "OnBusy", "OnOlderStep", "PendingCheckpoint",
     "PerRank", "SnapshotConsistencyError", "StepAlreadyCommittedError", "StepOrderError", "UnsupportedValueError",
     "__version__", "capture_rng_state", "check_storable", "checkpoint_step",
     "export", "latest", "load", "load_into", "restore_rng_state", "verify",

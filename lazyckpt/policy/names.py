@@ -68,12 +68,16 @@ class CheckpointNames:
             into a run directory of its own below it (:func:`lazyckpt.policy.run_directory`).
         feedback: records every commit found (:meth:`RunFeedback.report`) and the run's summary (:meth:`finish`);
             on rank 0 both go to the ``reporter`` (the other ranks report nothing).
+        before_names: called on rank 0 with each committed step before its names are put in place (files a
+            framework's own loader needs next to the manifest, so that a name always leads to them).
     """
 
     def __init__(self, session: CheckpointSession, save: Callable[[int], PendingCheckpoint | None],
                  resumed_from: Callable[[], str | None] = lambda: None, *, feedback: RunFeedback | None = None,
-                 reporter: Reporter = Reporter(), names_dir: str | None = None) -> None:
+                 reporter: Reporter = Reporter(), names_dir: str | None = None,
+                 before_names: Callable[[int], None] = lambda step: None) -> None:
         self._session = session
+        self._before_names = before_names
         self._names_dir = names_dir if names_dir is not None else session.dirpath
         self._save = save
         self._resumed_from = resumed_from
@@ -226,6 +230,8 @@ class CheckpointNames:
         if self._session.rank != 0:
             return
         storage, dirpath = self._session.storage, self._session.dirpath
+        if request.step >= 0:
+            self._before_names(request.step)
         unnamed: set[int] = set()
         for kind, name, step in request.actions:
             old = resolve_step(storage, name, dirpath)  # a name of another run's step: that step is not ours

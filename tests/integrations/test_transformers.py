@@ -1,0 +1,111 @@
+"""LazyCheckpointCallback under a real Hugging Face Trainer (tiny GPT-2 from a config, random tokens): a run killed
+with ``os._exit`` resumes through ``trainer.train(resume_from_checkpoint=...)`` to the same final weights as a run
+that never stopped; the Trainer's own synchronous save is never reached (the worker's Trainer raises in it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "trainer_run.py"
+
+
+def run(out: Path, weights: Path, *args: str, expect: int = 0) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--weights", str(weights), *args],
+                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[tuple[str, ...], Path]:
+    """Final weights of runs that never stopped, by configuration."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    done: dict[tuple[str, ...], Path] = {}
+
+    def get(*config: str) -> Path:
+        if config not in done:
+            out = base / f"run{len(done)}"
+            run(out, out.with_suffix(".st"), *config)
+            done[config] = out.with_suffix(".st")
+        return done[config]
+
+    return get  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("config", [("--strategy", "steps"), ("--strategy", "epoch", "--accum", "2")],
+                         ids=["steps", "epoch-accumulation"])
+def test_crash_and_resume_newest_is_bit_exact(tmp_path, uninterrupted, config):
+    crash_at = "8" if config[1] == "steps" else "10"
+    run(tmp_path / "out", tmp_path / "crashed.st", *config, "--crash-at", crash_at, expect=3)
+    assert any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
+    run(tmp_path / "out", tmp_path / "resumed.st", *config, "--resume", "true")
+    assert_same_weights(uninterrupted(*config), tmp_path / "resumed.st")
+
+
+def test_resume_from_a_named_path_and_from_the_step_directory(tmp_path, uninterrupted):
+    run(tmp_path / "out", tmp_path / "crashed.st", "--crash-at", "8", expect=3)
+    for i, path in enumerate([tmp_path / "out" / "checkpoint-3", tmp_path / "out" / "lazyckpt" / "step-0000003"]):
+        copy = tmp_path / f"copy{i}"
+        subprocess.run(["cp", "-a", str(tmp_path / "out"), str(copy)], check=True)
+        resumed = copy / path.relative_to(tmp_path / "out")
+        for later in copy.glob("lazyckpt/step-*"):  # the resumed run saves those steps again
+            if later.name != "step-0000003":
+                subprocess.run(["rm", "-rf", str(later)], check=True)
+        run(copy, tmp_path / f"resumed{i}.st", "--resume", str(resumed))
+        assert_same_weights(uninterrupted("--strategy", "steps"), tmp_path / f"resumed{i}.st")
+
+
+def test_the_step_directory_is_a_checkpoint_the_trainer_reads(tmp_path):
+    run(tmp_path / "out", tmp_path / "final.st")
+    step = tmp_path / "out" / "checkpoint-24"
+    assert step.is_symlink() and os.readlink(step) == os.path.join("lazyckpt", "step-0000024")
+    for name in ("trainer_state.json", "model.safetensors.index.json", "config.json", "manifest.json"):
+        assert (step / name).is_file(), name
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    result = load_sharded_checkpoint(model, str(step), strict=True)  # the Trainer's own loader
+    assert not result.missing_keys and not result.unexpected_keys
+    final = load_file(tmp_path / "final.st")
+    for key, value in final.items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_save_total_limit_keeps_the_newest_names_and_steps(tmp_path):
+    run(tmp_path / "out", tmp_path / "final.st", "--limit", "2")
+    names = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    steps = sorted(p.name for p in (tmp_path / "out" / "lazyckpt").glob("step-*"))
+    assert names == ["checkpoint-21", "checkpoint-24"]
+    assert steps == ["step-0000021", "step-0000024"]
+
+
+def test_a_commit_the_crash_left_unnamed_gets_its_name_at_the_next_start(tmp_path, uninterrupted):
+    run(tmp_path / "out", tmp_path / "crashed.st", "--crash-at", "8", expect=3)
+    named = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    # what a crash right after step 6's commit leaves: step 6 committed, its name and Trainer files not yet there
+    subprocess.run(["rm", "-f", str(tmp_path / "out" / f"checkpoint-{named[-1]}")], check=True)
+    for name in ("trainer_state.json", "model.safetensors.index.json", "config.json"):
+        (tmp_path / "out" / "lazyckpt" / f"step-{named[-1]:07d}" / name).unlink()
+    for later in (tmp_path / "out" / "lazyckpt").glob("step-*"):
+        if later.name.endswith(".partial"):
+            subprocess.run(["rm", "-rf", str(later)], check=True)
+    run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true")
+    assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / "trainer_state.json").is_file()
+    assert_same_weights(uninterrupted("--strategy", "steps"), tmp_path / "resumed.st")
