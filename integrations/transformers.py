@@ -61,6 +61,8 @@ class LazyCheckpointCallback(TrainerCallback):
         self._rng_to_restore: tuple[str, dict[str, Any]] | None = None
         self._model_only = False
         self._names_dir = ""
+        self._last_requested: int | None = None
+        self._epoch_ended = False
 
     # --- the run --------------------------------------------------------------------------------------------
 
@@ -92,6 +94,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._restore_rng(at="epoch")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._epoch_ended = False
         self._restore_rng(at="step")  # after the Trainer fetched this step's batches, as its own resume does
         self._poll()
 
@@ -105,11 +108,11 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._take_over(args, state, control)
-        self._settle_before_stop(args, state, control)
+        self._epoch_ended = True
+        self._settle_before_stop(args, control, evaluation_follows=control.should_evaluate)
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._refresh(args, state)
-        self._settle_before_stop(args, state, control)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None,
                     **kwargs: Any) -> None:
@@ -117,7 +120,8 @@ class LazyCheckpointCallback(TrainerCallback):
                                                                                                       "SaveStrategy.BEST"):
             self._save(args, state)
         self._refresh(args, state)
-        self._settle_before_stop(args, state, control)
+        if self._epoch_ended:  # the evaluation after the last epoch's end
+            self._settle_before_stop(args, control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close(step=state.global_step)
@@ -149,9 +153,10 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def _save(self, args: Any, state: Any) -> None:
         step = state.global_step
-        if step in self._at_save or self._names is None:
+        if step == self._last_requested or self._names is None:
             return self._refresh(args, state)
-        self._at_save[step] = None  # type: ignore[assignment] - read by _refresh right away
+        self._last_requested = step
+        self._at_save[step] = None  # type: ignore[assignment] - filled by _refresh right away
         self._refresh(args, state)
         name = os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{step}")
         with self._names.deciding():
@@ -182,15 +187,22 @@ class LazyCheckpointCallback(TrainerCallback):
             best = state.best_global_step
             best_dir = (os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{best}")
                         if best and (best in self._saved or best == step) else None)
+            if best_dir is not None:
+                state.best_model_checkpoint = best_dir  # as the Trainer's own save sets it (load_best_model_at_end)
             self._at_save[step] = trainer_state.capture_at_save(state, best_dir)
 
-    def _settle_before_stop(self, args: Any, state: Any, control: Any) -> None:
-        # load_best_model_at_end overwrites the weights right after the last event: the copy must be done by then.
-        if control.should_training_stop and args.load_best_model_at_end and self.session is not None:
+    def _settle_before_stop(self, args: Any, control: Any, *, evaluation_follows: bool = False) -> None:
+        """``load_best_model_at_end`` overwrites the weights right after the last event of the run: the copy in
+        flight must be done and the best step named by then. The last event is the epoch's end, or the
+        evaluation that follows it."""
+        if not (control.should_training_stop and args.load_best_model_at_end and self._names is not None):
+            return
+        if not evaluation_follows:
             self.session.barrier()
+            self._names.poll(block=True)
 
     def _write_trainer_files(self, step: int) -> None:
-        at_save = self._at_save.get(step)
+        at_save = self._at_save.pop(step, None)  # committed: its Deferred leaves were read at its barrier
         model = self._objects.get("model")
         if at_save is None or model is None:
             return

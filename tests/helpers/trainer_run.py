@@ -29,7 +29,7 @@ class CrashAt(TrainerCallback):
 
 
 def dataset(n: int = 48, length: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(n)
     ids = torch.randint(0, 64, (n, length), generator=g)
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
@@ -44,17 +44,23 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--resume", default=None)
+    p.add_argument("--best", action="store_true", help="evaluate every 3 steps and load the best model at the end")
     a = p.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
     args = TrainingArguments(output_dir=a.out, num_train_epochs=a.epochs, per_device_train_batch_size=4,
                              gradient_accumulation_steps=a.accum, save_strategy=a.strategy, save_steps=3,
                              save_total_limit=a.limit, logging_steps=2, report_to=[], use_cpu=True, seed=0,
-                             learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0)
+                             learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0,
+                             **(dict(eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
+                                     metric_for_best_model="eval_loss", greater_is_better=False) if a.best else {}))
     callbacks = [LazyCheckpointCallback()] + ([CrashAt(a.crash_at)] if a.crash_at is not None else [])
-    trainer = NoSyncSaveTrainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
+    trainer = NoSyncSaveTrainer(model=model, args=args, train_dataset=dataset(),
+                                eval_dataset=dataset(8) if a.best else None, callbacks=callbacks)
     resume = {"true": True, None: None}.get(a.resume, a.resume)
     trainer.train(resume_from_checkpoint=resume)
+    if a.best:
+        print("best:", trainer.state.best_model_checkpoint, trainer.state.best_global_step)
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, a.weights)
 
 

@@ -4,6 +4,7 @@ that never stopped; the Trainer's own synchronous save is never reached (the wor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+import lazyckpt
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -109,3 +112,22 @@ def test_a_commit_the_crash_left_unnamed_gets_its_name_at_the_next_start(tmp_pat
     run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true")
     assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / "trainer_state.json").is_file()
     assert_same_weights(uninterrupted("--strategy", "steps"), tmp_path / "resumed.st")
+
+
+def test_best_strategy_with_load_best_model_at_end_resumes_bit_exact(tmp_path, uninterrupted):
+    config = ("--best", "--strategy", "best")
+    run(tmp_path / "out", tmp_path / "crashed.st", *config, "--crash-at", "8", expect=3)
+    run(tmp_path / "out", tmp_path / "resumed.st", *config, "--resume", "true")
+    assert_same_weights(uninterrupted(*config), tmp_path / "resumed.st")
+
+
+def test_save_total_limit_keeps_the_best_and_the_best_model_is_loaded_at_the_end(tmp_path):
+    run(tmp_path / "out", tmp_path / "final.st", "--best", "--strategy", "steps", "--limit", "1")
+    state = json.loads((tmp_path / "out" / "checkpoint-24" / "trainer_state.json").read_text())
+    best = state["best_global_step"]
+    assert state["best_model_checkpoint"] == str(tmp_path / "out" / f"checkpoint-{best}")
+    names = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert names == sorted({f"checkpoint-{best}", "checkpoint-24"})
+    saved = lazyckpt.load(tmp_path / "out" / f"checkpoint-{best}")
+    for key, value in load_file(tmp_path / "final.st").items():  # the Trainer loaded the best model at the end
+        assert torch.equal(saved[key], value), key
