@@ -147,7 +147,7 @@ def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: C
         if step <= newest_named:
             continue
         step_dir = os.path.join(dirpath, step_dirname(step))
-        trainer = load(step_dir)[TRAINER]
+        trainer = load(step_dir).get(TRAINER)
         if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
             continue
         write_trainer_files(storage, step_dir, trainer_state=trainer["trainer_state"],

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 from transformers import TrainerCallback
 
 from lazyckpt.config import normalize_dirpath
@@ -63,17 +64,21 @@ class LazyCheckpointCallback(TrainerCallback):
         self._names_dir = ""
         self._last_requested: int | None = None
         self._epoch_ended = False
+        self._in_flow = False
+        self._rotation_due = False
 
     # --- the run --------------------------------------------------------------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.process_index == 0:  # before train() looks for the newest checkpoint
+        if args.process_index == 0:  # before train() looks for the newest checkpoint (every rank waits for it)
             names_dir = normalize_dirpath(args.output_dir)
             repaired = trainer_state.name_unnamed_commits(
                 LocalStorage(), self.dirpath or os.path.join(names_dir, "lazyckpt"), names_dir,
                 load=lambda path: load(path, verify=False))
             if repaired:
                 logger.info("lazyckpt: named the steps a crashed run had committed: %s", repaired)
+        if args.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if getattr(args, "deepspeed", None):
@@ -91,9 +96,11 @@ class LazyCheckpointCallback(TrainerCallback):
             self._resume(state)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_of_step_flow(args, state)  # before the epoch's loader draws its seed from the global RNG
         self._restore_rng(at="epoch")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_of_step_flow(args, state)
         self._epoch_ended = False
         self._restore_rng(at="step")  # after the Trainer fetched this step's batches, as its own resume does
         self._poll()
@@ -104,26 +111,33 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._poll()
+        self._in_flow = True  # the step's log, evaluation and save decisions follow
         self._take_over(args, state, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_of_step_flow(args, state)
+        self._in_flow = True
         self._take_over(args, state, control)
         self._epoch_ended = True
         self._settle_before_stop(args, control, evaluation_follows=control.should_evaluate)
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._take_over(args, state, control)  # a callback after DefaultFlowCallback may have asked to save
         self._refresh(args, state)
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None,
                     **kwargs: Any) -> None:
-        if metrics is not None and _record_best(args, state, metrics) and str(args.save_strategy) in ("best",
-                                                                                                      "SaveStrategy.BEST"):
+        if not self._in_flow:
+            return  # eval_on_start, or trainer.evaluate() outside the training loop: not a save decision
+        if metrics is not None and _saves_best(args) and _record_best(args, state, metrics):
             self._save(args, state)
+        self._take_over(args, state, control)
         self._refresh(args, state)
         if self._epoch_ended:  # the evaluation after the last epoch's end
             self._settle_before_stop(args, control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_of_step_flow(args, state)
         self.close(step=state.global_step)
 
     def close(self, *, step: int | None = None) -> None:
@@ -155,17 +169,31 @@ class LazyCheckpointCallback(TrainerCallback):
         step = state.global_step
         if step == self._last_requested or self._names is None:
             return self._refresh(args, state)
+        if self.session.rank != 0:  # only rank 0 publishes (and then frees) what it read at the save
+            self._at_save = {s: v for s, v in self._at_save.items() if s == self._last_requested}
         self._last_requested = step
         self._at_save[step] = None  # type: ignore[assignment] - filled by _refresh right away
         self._refresh(args, state)
-        name = os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{step}")
         with self._names.deciding():
-            self._names.plan(step, name)
-            kept = trainer_state.steps_to_keep([*self._saved, step], limit=args.save_total_limit,
-                                               best=state.best_global_step or None)
-            for old in sorted(self._saved - kept):
-                self._names.drop(os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{old}"))
-            self._saved = kept
+            self._names.plan(step, os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{step}"))
+        self._rotation_due = True
+
+    def _end_of_step_flow(self, args: Any, state: Any) -> None:
+        """The step's log, evaluation and save decisions are over: read its TrainerState once more (the Trainer
+        records a new best after the callbacks' ``on_evaluate``), then apply the Trainer's retention, as its own
+        save does at that point."""
+        if not self._in_flow:
+            return
+        self._in_flow = False
+        self._refresh(args, state)
+        if not self._rotation_due or self._names is None:
+            return
+        self._rotation_due = False
+        kept = trainer_state.steps_to_keep([*self._saved, self._last_requested], limit=args.save_total_limit,
+                                           best=state.best_global_step or None)
+        for old in sorted(self._saved - kept):
+            self._names.drop(os.path.join(self._names_dir, f"{trainer_state.PREFIX}-{old}"))
+        self._saved = kept
 
     def _request(self, step: int) -> PendingCheckpoint | None:
         model, optimizer, scheduler = (self._objects[k] for k in ("model", "optimizer", "lr_scheduler"))
@@ -219,8 +247,9 @@ class LazyCheckpointCallback(TrainerCallback):
         this run's directory, or nothing when the Trainer resumed from a checkpoint of its own."""
         path = os.path.join(self.session.dirpath, step_dirname(state.global_step))
         if self.session.storage.stat(os.path.join(path, "manifest.json")) is None:
-            logger.info("lazyckpt: step %d is not in %s; the Trainer restored it from its own checkpoint",
-                        state.global_step, self.session.dirpath)
+            logger.warning("lazyckpt: step %d is not in %s: the Trainer resumed from a checkpoint of its own (or of "
+                           "another directory), so only what it holds was restored", state.global_step,
+                           self.session.dirpath)
             return
         verify = self.session.engine.config.verify_on_load
         tree = self.session.load(path, verify=verify)
@@ -238,9 +267,15 @@ class LazyCheckpointCallback(TrainerCallback):
             self._rng_to_restore = None
 
 
+def _saves_best(args: Any) -> bool:
+    return str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"
+
+
 def _record_best(args: Any, state: Any, metrics: dict[str, float]) -> bool:
-    """The Trainer's own best-metric rule (``_determine_best_metric``), applied first: the Trainer then finds no
-    new best, so under ``save_strategy="best"`` it does not save synchronously."""
+    """The Trainer's own best-metric rule (``_determine_best_metric``), applied first under
+    ``save_strategy="best"``: the Trainer then finds no new best, so it does not save synchronously. (Callbacks
+    that compare with the best metric in their own ``on_evaluate``, as ``EarlyStoppingCallback`` does, go before
+    this one in ``callbacks=``: docs/transformers.md.)"""
     name = args.metric_for_best_model
     if name is None:
         return False

@@ -61,7 +61,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=resume)
     if a.best:
         print("best:", trainer.state.best_model_checkpoint, trainer.state.best_global_step)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, a.weights)
+    if trainer.is_world_process_zero():
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()
+                   if k != "lm_head.weight"}, a.weights)
 
 
 if __name__ == "__main__":

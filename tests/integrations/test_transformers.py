@@ -21,11 +21,14 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "trainer_run.py"
 
 
-def run(out: Path, weights: Path, *args: str, expect: int = 0) -> None:
+def run(out: Path, weights: Path, *args: str, expect: int = 0, processes: int = 1) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--weights", str(weights), *args],
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-5000:]
+    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--standalone", "--nproc_per_node", str(processes)]
+    result = subprocess.run([*launcher, str(WORKER), "--out", str(out), "--weights", str(weights), *args],
+                            env=env, capture_output=True, text=True, timeout=150, check=False)
+    failed = result.returncode == 0 if processes > 1 and expect else result.returncode != expect  # torchrun: 1
+    assert not failed, result.stdout[-3000:] + result.stderr[-5000:]
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -131,3 +134,12 @@ def test_save_total_limit_keeps_the_best_and_the_best_model_is_loaded_at_the_end
     saved = lazyckpt.load(tmp_path / "out" / f"checkpoint-{best}")
     for key, value in load_file(tmp_path / "final.st").items():  # the Trainer loaded the best model at the end
         assert torch.equal(saved[key], value), key
+
+
+def test_two_processes_crash_and_resume_bit_exact(tmp_path):
+    run(tmp_path / "full", tmp_path / "full.st", processes=2)
+    run(tmp_path / "out", tmp_path / "crashed.st", "--crash-at", "8", expect=3, processes=2)
+    run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true", processes=2)
+    assert_same_weights(tmp_path / "full.st", tmp_path / "resumed.st")
+    manifest = json.loads((tmp_path / "out" / "checkpoint-12" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
