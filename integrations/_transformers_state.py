@@ -22,9 +22,11 @@ import torch
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import rank_file, step_dirname
 from lazyckpt.levels.aliases import aliased_steps, link_alias
-from lazyckpt.policy import capture_rng, restore_rng
+from lazyckpt.policy import capture_rng
 from lazyckpt.storage import Storage
 from lazyckpt.tree.encode import Deferred
+
+from ._compat import inner_optimizer
 
 FORMAT = "lazyckpt.transformers/1"
 TRAINER = "lazyckpt.trainer"
@@ -48,8 +50,8 @@ class AtSave:
 def capture_at_save(state: Any, best_model_checkpoint: str | None) -> AtSave:
     saved = dataclasses.replace(state, best_model_checkpoint=best_model_checkpoint)
     saved.stateful_callbacks = state.stateful_callbacks
-    return AtSave(trainer_state=saved.to_json_string() if hasattr(saved, "to_json_string")
-                  else json.dumps(dataclasses.asdict(saved), sort_keys=True),
+    # what TrainerState.save_to_json writes
+    return AtSave(trainer_state=json.dumps(dataclasses.asdict(saved), indent=2, sort_keys=True) + "\n",
                   rng=capture_rng({}))
 
 
@@ -65,7 +67,7 @@ def replicated_state(model: torch.nn.Module, optimizer: Any, scheduler: Any, sca
     trainer: dict[str, Any] = {"format": FORMAT, "model_keys": sorted(model_state), "model_only": model_only,
                                "trainer_state": Deferred(lambda: at_save().trainer_state)}
     if not model_only:
-        trainer["optimizer"] = _inner(optimizer).state_dict()
+        trainer["optimizer"] = inner_optimizer(optimizer).state_dict()
         trainer["scheduler"] = None if scheduler is None else scheduler.state_dict()
         trainer["scaler"] = None if scaler is None else scaler.state_dict()
     return {**model_state, TRAINER: trainer}
@@ -83,16 +85,12 @@ def restore(tree: dict[str, Any], own: dict[str, Any], *, model: torch.nn.Module
     model.load_state_dict({key: tree[key] for key in trainer["model_keys"]})
     if trainer["model_only"]:
         return None
-    _inner(optimizer).load_state_dict(trainer["optimizer"])
+    inner_optimizer(optimizer).load_state_dict(trainer["optimizer"])
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
     if scaler is not None and trainer["scaler"] is not None:
         scaler.load_state_dict(trainer["scaler"])
     return own[RANK]["rng"]
-
-
-def restore_rng_at_first_step(rng: dict[str, Any]) -> None:
-    restore_rng(rng, {})
 
 
 def write_trainer_files(storage: Storage, step_dir: str, *, trainer_state: str, model_keys: list[str],
@@ -129,9 +127,6 @@ def steps_to_keep(steps: list[int], *, limit: int | None, best: int | None) -> s
             remaining -= 1
     return keep
 
-
-def _inner(optimizer: Any) -> Any:
-    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
 
 
 def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: Callable[[str], Any]) -> list[int]:

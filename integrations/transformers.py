@@ -27,11 +27,12 @@ from lazyckpt.config import normalize_dirpath
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.aliases import aliased_steps
 from lazyckpt.pending import PendingCheckpoint
-from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
+from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions, restore_rng
 from lazyckpt.read.load import load
 from lazyckpt.storage import LocalStorage
 
 from . import _transformers_state as trainer_state
+from ._compat import inner_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class LazyCheckpointCallback(TrainerCallback):
             raise ValueError("LazyCheckpointCallback does not support DeepSpeed yet (TrainingArguments.deepspeed="
                              f"{args.deepspeed!r}); train without deepspeed= or drop the callback for now")
         self._objects = {key: kwargs.get(key) for key in ("model", "optimizer", "lr_scheduler")}
+        self._model_only = bool(args.save_only_model)
         self._names_dir = normalize_dirpath(args.output_dir)
         dirpath = self.dirpath or os.path.join(self._names_dir, "lazyckpt")
         self.session = CheckpointSession(dirpath, self.options, rank=args.process_index,
@@ -197,19 +199,17 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def _request(self, step: int) -> PendingCheckpoint | None:
         model, optimizer, scheduler = (self._objects[k] for k in ("model", "optimizer", "lr_scheduler"))
-        args_model_only = self._model_only
         at_save = lambda: self._at_save[step]  # noqa: E731 - read at the barrier, after the step's logging
         return self.session.save(
             step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, None,
-                                                                    model_only=args_model_only, at_save=at_save),
+                                                                    model_only=self._model_only, at_save=at_save),
             per_rank=trainer_state.per_rank_state(self.session.rank, at_save),
-            optimizers=[] if args_model_only else [getattr(optimizer, "optimizer", optimizer)],
+            optimizers=[] if self._model_only else [inner_optimizer(optimizer)],
             if_committed="warn")
 
     def _refresh(self, args: Any, state: Any) -> None:
         """Read the TrainerState and RNG of a step being saved as the Trainer's own save would read them: after
         the step's logging and evaluation (each of those events reads them again)."""
-        self._model_only = bool(args.save_only_model)
         step = state.global_step
         if step in self._at_save:
             best = state.best_global_step
@@ -263,7 +263,7 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def _restore_rng(self, *, at: str) -> None:
         if self._rng_to_restore is not None and self._rng_to_restore[0] == at:
-            trainer_state.restore_rng_at_first_step(self._rng_to_restore[1])
+            restore_rng(self._rng_to_restore[1], {})
             self._rng_to_restore = None
 
 
