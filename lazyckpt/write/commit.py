@@ -63,7 +63,7 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
                             checksums=job.checksums, header=job.header, boxes=job.boxes)
     mine = encode_manifest(doc)
-    storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), mine, sync=sync)
+    write_rank_manifest(job, storage, mine, sync=sync, committed_on_sight=rendezvous is None and job.rank != 0)
     summary = tensor_summary(doc["tensors"])
     if rendezvous is not None:
         everyone = rendezvous.gather(job.attempt, summary)
@@ -87,6 +87,19 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
         publish(job, storage, sync=sync)
     if rendezvous is not None:
         rendezvous.committed(job.attempt)
+
+
+def write_rank_manifest(job: CheckpointJob, storage: Storage, mine: bytes, *, sync: bool,
+                        committed_on_sight: bool) -> None:
+    """Write ``rank-NNNNN.json`` atomically. ``committed_on_sight``: rank 0 commits (renames the partial directory)
+    the moment the last rank's manifest appears, so this rank's fsync of that directory may find it renamed. Rank 0
+    fsynced the directory before renaming it (writing ``manifest.json`` there), which made this entry durable too;
+    :func:`wait_for_rank0_commit` then checks that the committed manifest is this one."""
+    try:
+        storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), mine, sync=sync)
+    except FileNotFoundError:
+        if not committed_on_sight or storage.stat(job.final_dir) is None:
+            raise
 
 
 def publish_everywhere(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous, *, sync: bool) -> None:

@@ -56,14 +56,21 @@ def test_a_rank_that_gave_up_leaves_no_manifest_that_would_let_rank_0_commit_wit
 
 
 class _SaysWhenItsManifestIsWritten(LocalStorage):
+    """Says when rank 1's manifest is in the directory, and when it renamed a directory (rank 0: the commit point)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.written = threading.Event()
+        self.renamed = threading.Event()
 
     def write_atomic(self, path, data, *, sync=True):
         super().write_atomic(path, data, sync=sync)
         if path.endswith("rank-00001.json"):
             self.written.set()
+
+    def rename(self, src, dst, *, sync=True):
+        super().rename(src, dst, sync=sync)
+        self.renamed.set()
 
 
 def test_a_process_calling_itself_rank_1_of_another_jobs_directory_is_refused_at_its_first_commit(tmp_path):
@@ -103,3 +110,35 @@ def test_a_note_left_by_a_crashed_job_whose_process_number_was_reused_refuses_no
     with lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2), \
             lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2):
         pass
+
+
+class _FsyncsItsDirectoryLate(LocalStorage):
+    """Rank 1's storage: its manifest is visible, and the directory fsync after it comes only once rank 0 renamed."""
+
+    def __init__(self, rank0_renamed: threading.Event) -> None:
+        super().__init__()
+        self.rank0_renamed = rank0_renamed
+        self.writing_manifest = False
+
+    def write_atomic(self, path, data, *, sync=True):
+        self.writing_manifest = path.endswith("rank-00001.json")
+        super().write_atomic(path, data, sync=sync)
+
+    def sync_dir(self, path):
+        if self.writing_manifest:
+            assert self.rank0_renamed.wait(30), "rank 0 commits once rank 1's manifest is in the directory"
+        super().sync_dir(path)
+
+
+def test_rank_0_committing_before_rank_1_fsynced_its_manifest_directory_fails_no_rank(tmp_path):
+    # Without a store, rank 0 commits (renames step-N.partial) as soon as rank 1's manifest appears; rank 1's own
+    # fsync of the partial directory then finds it renamed. Rank 0's fsync of that directory (writing manifest.json
+    # there) made rank 1's entry durable: the commit stands on both ranks.
+    first = _SaysWhenItsManifestIsWritten()
+    with lazyckpt.LazyCheckpointer(tmp_path, rank=0, world_size=2, storage=first) as rank0, \
+            lazyckpt.LazyCheckpointer(tmp_path, rank=1, world_size=2, storage=_FsyncsItsDirectoryLate(first.renamed),
+                                      commit_timeout_s=30.0) as rank1:
+        p0 = rank0.save({"w": torch.zeros(4)}, step=1)
+        p1 = rank1.save({"w": torch.ones(4)}, step=1)
+        assert p1.wait() == p0.wait() == lazyckpt.latest(tmp_path)
+    assert lazyckpt.load(lazyckpt.latest(tmp_path), rank=1)["w"].tolist() == [1.0] * 4
