@@ -201,7 +201,7 @@ class LazyCheckpointCallback(TrainerCallback):
         model, optimizer, scheduler = (self._objects[k] for k in ("model", "optimizer", "lr_scheduler"))
         at_save = lambda: self._at_save[step]  # noqa: E731 - read at the barrier, after the step's logging
         return self.session.save(
-            step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, None,
+            step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, _scaler(optimizer),
                                                                     model_only=self._model_only, at_save=at_save),
             per_rank=trainer_state.per_rank_state(self.session.rank, at_save),
             optimizers=[] if self._model_only else [inner_optimizer(optimizer)],
@@ -255,7 +255,8 @@ class LazyCheckpointCallback(TrainerCallback):
         tree = self.session.load(path, verify=verify)
         own = tree if self.session.rank == 0 else self.session.load(path, verify=verify, rank=self.session.rank)
         model, optimizer, scheduler = (self._objects[k] for k in ("model", "optimizer", "lr_scheduler"))
-        rng = trainer_state.restore(tree, own, model=model, optimizer=optimizer, scheduler=scheduler, scaler=None)
+        rng = trainer_state.restore(tree, own, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    scaler=_scaler(optimizer))
         if rng is not None:
             self._rng_to_restore = ("epoch" if float(state.epoch).is_integer() else "step", rng)
         self._saved.add(state.global_step)
@@ -265,6 +266,11 @@ class LazyCheckpointCallback(TrainerCallback):
         if self._rng_to_restore is not None and self._rng_to_restore[0] == at:
             restore_rng(self._rng_to_restore[1], {})
             self._rng_to_restore = None
+
+
+def _scaler(optimizer: Any) -> Any:
+    """The AMP gradient scaler (fp16): callbacks get no accelerator, but its optimizer wrapper holds the scaler."""
+    return getattr(optimizer, "scaler", None)
 
 
 def _saves_best(args: Any) -> bool:

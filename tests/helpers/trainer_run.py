@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--resume", default=None)
     p.add_argument("--best", action="store_true", help="evaluate every 3 steps and load the best model at the end")
+    p.add_argument("--scaler", action="store_true", help="fp16-style loss scaling: a GradScaler whose scale grows")
     a = p.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
@@ -57,6 +58,8 @@ def main() -> None:
     callbacks = [LazyCheckpointCallback()] + ([CrashAt(a.crash_at)] if a.crash_at is not None else [])
     trainer = NoSyncSaveTrainer(model=model, args=args, train_dataset=dataset(),
                                 eval_dataset=dataset(8) if a.best else None, callbacks=callbacks)
+    if a.scaler:  # fp16 needs a GPU; the CPU GradScaler takes the same path (accelerator.backward, the optimizer's step)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     resume = {"true": True, None: None}.get(a.resume, a.resume)
     trainer.train(resume_from_checkpoint=resume)
     if a.best:

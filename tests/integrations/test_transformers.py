@@ -54,8 +54,9 @@ def uninterrupted(tmp_path_factory) -> dict[tuple[str, ...], Path]:
     return get  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("config", [("--strategy", "steps"), ("--strategy", "epoch", "--accum", "2")],
-                         ids=["steps", "epoch-accumulation"])
+@pytest.mark.parametrize("config", [("--strategy", "steps"), ("--strategy", "epoch", "--accum", "2"),
+                                    ("--strategy", "steps", "--scaler")],
+                         ids=["steps", "epoch-accumulation", "amp-scaler"])
 def test_crash_and_resume_newest_is_bit_exact(tmp_path, uninterrupted, config):
     crash_at = "8" if config[1] == "steps" else "10"
     run(tmp_path / "out", tmp_path / "crashed.st", *config, "--crash-at", crash_at, expect=3)
