@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from lazyckpt.config import normalize_dirpath
@@ -82,9 +83,7 @@ class LazyCheckpointCallback(TrainerCallback):
             torch.distributed.barrier()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if getattr(args, "deepspeed", None):
-            raise ValueError("LazyCheckpointCallback does not support DeepSpeed yet (TrainingArguments.deepspeed="
-                             f"{args.deepspeed!r}); train without deepspeed= or drop the callback for now")
+        _refuse_unsupported(args, kwargs.get("model"))
         self._objects = {key: kwargs.get(key) for key in ("model", "optimizer", "lr_scheduler")}
         self._model_only = bool(args.save_only_model)
         self._names_dir = normalize_dirpath(args.output_dir)
@@ -266,6 +265,20 @@ class LazyCheckpointCallback(TrainerCallback):
         if self._rng_to_restore is not None and self._rng_to_restore[0] == at:
             restore_rng(self._rng_to_restore[1], {})
             self._rng_to_restore = None
+
+
+def _refuse_unsupported(args: Any, model: Any) -> None:
+    """DeepSpeed and sharded models (FSDP, tensor parallel) are not supported under the Trainer yet: the Trainer
+    loads their weights through loaders of their own, which a lazyckpt step directory does not feed."""
+    if getattr(args, "deepspeed", None):
+        raise ValueError("LazyCheckpointCallback does not support DeepSpeed yet (TrainingArguments.deepspeed="
+                         f"{args.deepspeed!r}); train without deepspeed= or drop the callback for now")
+    sharded = model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+    if getattr(args, "fsdp", None) or sharded:
+        raise ValueError("LazyCheckpointCallback does not support sharded models under the Trainer yet "
+                         f"(TrainingArguments.fsdp={getattr(args, 'fsdp', None)!r}, DTensor parameters: {sharded}); "
+                         "train with DDP (no fsdp=), or use LazyCheckpointHook with Accelerate's FSDP2 plugin "
+                         "in a loop of your own (docs/accelerate.md)")
 
 
 def _scaler(optimizer: Any) -> Any:
