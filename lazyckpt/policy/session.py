@@ -85,6 +85,10 @@ class CheckpointSession:
         self._protectors: list[Callable[[], Collection[int]]] = []
         self._name_holders: list[Callable[[str], bool]] = []
         self._released_while_uploading: set[int] = set()
+        self._purge_lock = threading.Lock()
+        """One purge at a time: the training thread's, and the uploader thread's once a released step uploaded."""
+        if self.engine.remote is not None:
+            self._purge_when_uploaded(self.engine.remote)
 
     @classmethod
     def shared(cls, dirpath: Any, options: SessionOptions, *, rank: int, world_size: int,
@@ -213,22 +217,36 @@ class CheckpointSession:
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.levels.retention.steps_to_purge`):
         ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one, the newest, or
-        one still uploading to the remote level (a released one is deleted by a later purge). Returns the steps
-        deleted."""
-        committed = list(committed_steps(self.engine.dirpath, self.storage))
-        if not committed:
-            return []
-        remote = self.engine.remote
-        uploading = {step for step in committed if remote is not None and remote.holds(step)}
-        released = set(released) | self._released_while_uploading
-        self._released_while_uploading = released & uploading  # released again by the next purge
-        protected = set(protected).union(uploading, *(steps() for steps in self._protectors))
-        doomed = steps_to_purge(committed, self.options.keep_last_k, just_committed=max(committed),
-                                protected=protected, released=released)
-        removed = [step for step in doomed if self.engine.remove(step)]
+        one still uploading to the remote level (a released one is deleted as soon as its upload ends, on the
+        uploader thread, ``close()`` included). Returns the steps deleted."""
+        with self._purge_lock:
+            committed = list(committed_steps(self.engine.dirpath, self.storage))
+            if not committed:
+                return []
+            remote = self.engine.remote
+            uploading = {step for step in committed if remote is not None and remote.holds(step)}
+            released = set(released) | self._released_while_uploading
+            self._released_while_uploading = released & uploading  # purged once its upload ends
+            protected = set(protected).union(uploading, *(steps() for steps in self._protectors))
+            doomed = steps_to_purge(committed, self.options.keep_last_k, just_committed=max(committed),
+                                    protected=protected, released=released)
+            removed = [step for step in doomed if self.engine.remove(step)]
         for step in removed:
             logger.info("lazyckpt: removed step %d (nothing keeps it)", step)
         return removed
+
+    def _purge_when_uploaded(self, remote: Any) -> None:
+        """Chain onto the remote level's end-of-upload call (the directory applies ``keep_last_k`` there): a step
+        released while it uploaded is deleted then, not only at the next commit's purge."""
+        directory_purge = remote.on_released
+
+        def released(step: int) -> None:
+            if directory_purge is not None:
+                directory_purge(step)
+            if step in self._released_while_uploading:
+                self.purge()
+
+        remote.on_released = released
 
     def resumed(self, step: int, path: str) -> None:
         """Note that the run continues from ``step`` (restored from ``path``); warns when newer checkpoints exist,

@@ -251,7 +251,8 @@ def test_a_step_whose_upload_failed_is_kept_for_its_retry_and_purged_at_close(tm
     assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [3], "no retry comes after close()"
 
 
-def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
+def _session_with_steps_1_and_2_uploading(tmp_path, trained, s3_remote):
+    """A session without engine retention (names decide) whose uploads wait at a gate, steps 1 and 2 committed."""
     from lazyckpt.policy import CheckpointSession, SessionOptions
 
     url, options = s3_remote
@@ -263,13 +264,31 @@ def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_
     for s in (1, 2):
         step(model, opt, seed=s)
         session.save(s, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
-        gated.entered.wait()
+    gated.entered.wait()
     assert session.purge(released={1}) == [], "step 1 is still uploading"
+    return session, gated
+
+
+def test_a_released_name_never_deletes_a_checkpoint_that_is_still_uploading(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    model, opt = trained
+    session, gated = _session_with_steps_1_and_2_uploading(tmp_path, trained, s3_remote)
     gated.gate.set()
     session.engine.remote.drain()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2], \
+        "deleted as soon as its upload ended, not at the next commit's purge"
     step(model, opt, seed=3)
     session.save(3, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
-    assert session.purge() == [1], "released once its upload is done"
+    assert session.purge() == []
     session.close()
     assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2, 3]
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2, 3]
+
+
+def test_a_step_released_while_it_uploads_is_deleted_when_close_ends_the_upload(tmp_path, trained, s3_remote):
+    url, options = s3_remote
+    session, gated = _session_with_steps_1_and_2_uploading(tmp_path, trained, s3_remote)
+    gated.gate.set()
+    session.close()  # the uploads end inside close()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2]
+    assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2]
