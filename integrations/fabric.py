@@ -16,6 +16,7 @@ Example (docs/fabric.md has the whole loop):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import Any
@@ -25,15 +26,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lazyckpt.format.catalog import committed_steps
 from lazyckpt.levels.aliases import alias_step
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
-from lazyckpt.read.load import latest, load
+from lazyckpt.read.load import checkpoint_step, latest, load
 from lazyckpt.storage import FileKind, LocalStorage
 from lazyckpt.storage.base import kind_of
-from lazyckpt.storage.urls import is_url
+from lazyckpt.storage.urls import is_url, join, options_for
 
 
 class LazyFabricIO(CheckpointIO):
@@ -47,17 +47,19 @@ class LazyFabricIO(CheckpointIO):
             a step whose name moved to a newer step (``fabric.save`` to the same path again) is removed unless it is
             one of those k.
         **options: :class:`~lazyckpt.LazyCheckpointer` options (``host_buffer_bytes``, ``copy_backend``,
-            ``keep_in_memory``, ...), checked at construction (``remote=`` is refused for now: docs/fabric.md).
+            ``keep_in_memory``, ...), checked at construction. ``remote=URL``: each folder's steps go to
+            ``URL/<folder name>`` (folders of one name in two places are refused: their steps would collide).
     """
 
     def __init__(self, *, keep_last_k: int | None = None, **options: Any) -> None:
-        if options.get("remote") is not None or is_url(os.fspath(options.get("spool_dir") or "")):
-            raise ValueError("LazyFabricIO(remote=...) is not supported yet: each folder's steps are numbered on "
-                             "their own, so two folders would overwrite each other's steps on one remote; use "
-                             "lazyckpt.LazyCheckpointer(dirpath, remote=URL) in the loop instead")
+        if is_url(os.fspath(options.get("spool_dir") or "")):
+            raise ValueError(f"LazyFabricIO(spool_dir={options['spool_dir']!r}): fabric.save writes local folders; "
+                             "give a local spool_dir, or remote=URL for the remote level")
         self.options, _ = SessionOptions.from_keywords(options, owner="LazyFabricIO", source="Fabric",
                                                        keep_last_k=keep_last_k)
         self._runs: dict[str, _Run] = {}
+        self._remote_folders: dict[str, str] = {}
+        """With ``remote=``: each folder's URL under it (``<remote>/<folder name>``) and the folder that has it."""
         self._torch_io = TorchCheckpointIO()
         self._start()
 
@@ -92,6 +94,10 @@ class LazyFabricIO(CheckpointIO):
         run.save(name, checkpoint, list(self._stepped))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        verify = self.options.engine.get("verify_on_load", True)
+        if is_url(os.fspath(path)):  # a step on the remote level (a fresh node's folder is empty)
+            return load(os.fspath(path), map_location=map_location, verify=verify,
+                        storage_options=self.options.storage_options)
         name = os.path.abspath(os.fspath(path))
         for folder, run in list(self._runs.items()):
             run.session.engine.wait_staged()  # the load may write into tensors a copy still reads
@@ -101,7 +107,6 @@ class LazyFabricIO(CheckpointIO):
         target = _lazyckpt_checkpoint(name)
         if target is None:
             return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        verify = self.options.engine.get("verify_on_load", True)
         return load(target, map_location=map_location, verify=verify)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -145,10 +150,24 @@ class LazyFabricIO(CheckpointIO):
         saves each step into a folder of its own: one engine and host pool at a time, not one per folder)."""
         run = self._runs.get(dirpath)
         if run is None:
+            options = self._options_for(dirpath)
             _close_runs(self._runs)
-            session = CheckpointSession(dirpath, self.options, rank=0, world_size=1, engine_retention=False)
+            session = CheckpointSession(dirpath, options, rank=0, world_size=1, engine_retention=False)
             run = self._runs[dirpath] = _Run(session)
         return run
+
+    def _options_for(self, dirpath: str) -> SessionOptions:
+        """The folder's options: with a remote level, its own URL under it (steps count per folder)."""
+        if self.options.remote is None:
+            return self.options
+        url = join(self.options.remote, os.path.basename(dirpath))
+        other = self._remote_folders.setdefault(url, dirpath)
+        if other != dirpath:
+            raise ValueError(f"LazyFabricIO(remote={self.options.remote!r}): the folders {other!r} and {dirpath!r} "
+                             f"would both upload to {url!r} and overwrite each other's steps; give the folders "
+                             "different names")
+        return dataclasses.replace(self.options, remote=url, engine={k: v for k, v in self.options.engine.items()
+                                                                     if k != "remote"})
 
     def __del__(self) -> None:
         hook = getattr(self, "_hook", None)
@@ -169,7 +188,9 @@ class _Run:
             step = alias_step(session.storage, os.path.join(session.dirpath, entry))
             if step is not None:
                 self._named[os.path.join(session.dirpath, entry)] = step
-        self._next = max(committed_steps(session.dirpath, session.storage), default=0) + 1
+        newest = session.newest()  # with a remote level: its newest too (a fresh node's folder is empty)
+        self._next = 1 if newest is None else checkpoint_step(
+            newest, storage_options=options_for(newest, session.engine.config.storage_options)) + 1
 
     def save(self, name: str, checkpoint: dict[str, Any], optimizers: list[torch.optim.Optimizer]) -> None:
         step, self._next = self._next, self._next + 1

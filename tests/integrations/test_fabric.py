@@ -13,6 +13,7 @@ from lightning.fabric import Fabric  # noqa: E402
 
 import lazyckpt  # noqa: E402
 from conftest import GatedBackend  # noqa: E402
+from helpers.remote import moto_endpoint, s3_remote  # noqa: E402,F401 - fixtures
 
 ITERS = 6
 
@@ -159,3 +160,34 @@ def test_the_plugin_pickles_for_spawned_processes_and_keeps_its_barrier():
 
     io = pickle.loads(pickle.dumps(lazyckpt.LazyFabricIO(keep_last_k=2)))
     assert io.options.keep_last_k == 2 and io._hook is not None
+
+
+def test_remote_level_gives_each_folder_its_url_and_a_fresh_node_resumes_from_it(tmp_path, s3_remote):
+    url, options = s3_remote
+    io = lazyckpt.LazyFabricIO(remote=url, storage_options=options)
+    fabric, model, opt = fresh(io)
+    train(fabric, model, opt, 0, 3, save_dir=tmp_path / "node0" / "ckpts")
+    io.close()
+    final = weights(model)
+    newest = f"{url}/ckpts/step-0000003"
+    assert lazyckpt.latest(f"{url}/ckpts", storage_options=options) == newest
+    # A fresh node: its folder is empty; it resumes from the remote, and its steps count on from there.
+    io = lazyckpt.LazyFabricIO(remote=url, storage_options=options)
+    fabric, model, opt = fresh(io)
+    assert fabric.load(newest, {"model": model, "optimizer": opt}) == {"iter": 3}
+    assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    fabric.save(tmp_path / "node1" / "ckpts" / "iter-4.ckpt", {"model": model, "iter": 4})
+    io.close()
+    assert os.path.realpath(tmp_path / "node1" / "ckpts" / "iter-4.ckpt").endswith("step-0000004")
+    assert lazyckpt.latest(f"{url}/ckpts", storage_options=options) == f"{url}/ckpts/step-0000004"
+
+
+def test_two_folders_of_one_name_are_refused_on_one_remote(tmp_path, s3_remote):
+    url, options = s3_remote
+    io = lazyckpt.LazyFabricIO(remote=url, storage_options=options)
+    fabric, model, opt = fresh(io)
+    fabric.save(tmp_path / "a" / "ckpts" / "last.ckpt", {"model": model})
+    with pytest.raises(ValueError, match="would both upload to"):
+        fabric.save(tmp_path / "b" / "ckpts" / "last.ckpt", {"model": model})
+    io.close()
+    assert not (tmp_path / "b").exists()
