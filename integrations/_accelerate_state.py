@@ -220,6 +220,8 @@ class PreparedRun:
                 dl.iteration = saved["iteration"]
             if saved["state"] is not None:
                 dl.load_state_dict(saved["state"])
+            for sampler, seed in zip(_compat.seedable_samplers([dl]), saved.get("sampler_seeds", [])):
+                sampler.initial_seed = seed  # checkpoints written before it was saved: the run's own
         if own.get("rng") is not None:  # none saved (a process new to the run): it keeps its RNG states
             restore_rng(own["rng"], self.generators())
             if own.get("mid_epoch"):
@@ -250,7 +252,10 @@ def _loader_position(dl: Any, active: bool) -> dict[str, Any]:
     if active and getattr(dl, "end_of_dataloader", False):
         iteration += 1  # the last batch was yielded; the loader bumps its epoch only when the loop asks again
     state = dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
-    return {"iteration": iteration, "state": state}
+    # A seedable sampler's permutations follow initial_seed + epoch; initial_seed is the global seed at prepare()
+    # unless a data_seed was given, so a resumed run seeded otherwise must get it back.
+    seeds = [sampler.initial_seed for sampler in _compat.seedable_samplers([dl])]
+    return {"iteration": iteration, "state": state, "sampler_seeds": seeds}
 
 
 def _mid_epoch(gradient_state: Any) -> bool:
