@@ -62,6 +62,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._saved: set[int] = set()
         self._rng_to_restore: tuple[str, dict[str, Any]] | None = None
         self._model_only = False
+        self._adapter: dict[str, Any] | None = None
         self._names_dir = ""
         self._last_requested: int | None = None
         self._epoch_ended = False
@@ -87,6 +88,7 @@ class LazyCheckpointCallback(TrainerCallback):
                              f"{args.deepspeed!r}); train without deepspeed= or drop the callback for now")
         self._objects = {key: kwargs.get(key) for key in ("model", "optimizer", "lr_scheduler")}
         self._model_only = bool(args.save_only_model)
+        self._adapter = trainer_state.adapter_layout(self._objects["model"])
         self._names_dir = normalize_dirpath(args.output_dir)
         dirpath = self.dirpath or os.path.join(self._names_dir, "lazyckpt")
         self.session = CheckpointSession(dirpath, self.options, rank=args.process_index,
@@ -201,8 +203,8 @@ class LazyCheckpointCallback(TrainerCallback):
         model, optimizer, scheduler = (self._objects[k] for k in ("model", "optimizer", "lr_scheduler"))
         at_save = lambda: self._at_save[step]  # noqa: E731 - read at the barrier, after the step's logging
         return self.session.save(
-            step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, None,
-                                                                    model_only=self._model_only, at_save=at_save),
+            step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, None, at_save=at_save,
+                                                                    model_only=self._model_only, adapter=self._adapter),
             per_rank=trainer_state.per_rank_state(self.session.rank, at_save),
             optimizers=[] if self._model_only else [inner_optimizer(optimizer)],
             if_committed="warn")
@@ -238,7 +240,7 @@ class LazyCheckpointCallback(TrainerCallback):
         trainer_state.write_trainer_files(
             self.session.storage, os.path.join(self.session.dirpath, step_dirname(step)),
             trainer_state=at_save.trainer_state, model_keys=sorted(model.state_dict()),
-            config_json=config.to_json_string() if hasattr(config, "to_json_string") else None)
+            config_json=config.to_json_string() if hasattr(config, "to_json_string") else None, adapter=self._adapter)
 
     # --- resume ---------------------------------------------------------------------------------------------
 
