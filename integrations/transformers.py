@@ -63,6 +63,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._saved: set[int] = set()
         self._rng_to_restore: tuple[str, dict[str, Any]] | None = None
         self._model_only = False
+        self._adapter: dict[str, Any] | None = None
         self._names_dir = ""
         self._last_requested: int | None = None
         self._epoch_ended = False
@@ -86,6 +87,7 @@ class LazyCheckpointCallback(TrainerCallback):
         _refuse_unsupported(args, kwargs.get("model"))
         self._objects = {key: kwargs.get(key) for key in ("model", "optimizer", "lr_scheduler")}
         self._model_only = bool(args.save_only_model)
+        self._adapter = trainer_state.adapter_layout(self._objects["model"])
         self._names_dir = normalize_dirpath(args.output_dir)
         dirpath = self.dirpath or os.path.join(self._names_dir, "lazyckpt")
         self.session = CheckpointSession(dirpath, self.options, rank=args.process_index,
@@ -149,6 +151,14 @@ class LazyCheckpointCallback(TrainerCallback):
             names.close(raise_errors=True)
         self.session = None
 
+    def wait(self) -> None:
+        """Block until every checkpoint requested so far is committed and named ``checkpoint-N`` (re-raises a
+        failure): e.g. before handing a checkpoint to another process while training goes on."""
+        if self._names is not None:
+            self._names.submit()
+            self._names.poll(block=True)
+            self.session.engine.wait_staged()
+
     @property
     def stalls(self) -> dict[int, float]:
         """Training-thread seconds each checkpoint cost, by step (while the run is open)."""
@@ -201,7 +211,8 @@ class LazyCheckpointCallback(TrainerCallback):
         at_save = lambda: self._at_save[step]  # noqa: E731 - read at the barrier, after the step's logging
         return self.session.save(
             step, replicated=lambda: trainer_state.replicated_state(model, optimizer, scheduler, _scaler(optimizer),
-                                                                    model_only=self._model_only, at_save=at_save),
+                                                                    at_save=at_save, model_only=self._model_only,
+                                                                    adapter=self._adapter),
             per_rank=trainer_state.per_rank_state(self.session.rank, at_save),
             optimizers=[] if self._model_only else [inner_optimizer(optimizer)],
             if_committed="warn")
@@ -237,7 +248,7 @@ class LazyCheckpointCallback(TrainerCallback):
         trainer_state.write_trainer_files(
             self.session.storage, os.path.join(self.session.dirpath, step_dirname(step)),
             trainer_state=at_save.trainer_state, model_keys=sorted(model.state_dict()),
-            config_json=config.to_json_string() if hasattr(config, "to_json_string") else None)
+            config_json=config.to_json_string() if hasattr(config, "to_json_string") else None, adapter=self._adapter)
 
     # --- resume ---------------------------------------------------------------------------------------------
 

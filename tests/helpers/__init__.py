@@ -7,6 +7,7 @@ packages (``tests/write/`` for ``lazyckpt/write/``, ...), and tests of root modu
 | ``forge`` | hand-made and edited checkpoint files (headers, manifests, seals) for the strict reader's tests |
 | ``remote`` | a moto S3 server the tests start themselves, buckets on it, a flaky remote |
 | ``lightning_run`` | a small Lightning fine-tuning run, in process and as a script (crash, resume, DDP, FSDP2) |
+| ``trainer_run`` | a tiny Hugging Face Trainer or TRL SFTTrainer run (full or LoRA) as a script: crash, resume |
 | ``rollback_run`` | a Lightning run that goes non-finite, in process and as a DDP script |
 | ``soak`` | save, load and verify in a loop, sampling what a long run must not accumulate |
 | ``reliability`` | the reliability suite's engines (fuzzing, byte flips, SIGKILLs, soak), also runnable for long |

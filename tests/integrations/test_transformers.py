@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,41 +15,16 @@ from safetensors.torch import load_file
 import lazyckpt
 
 pytest.importorskip("transformers")
+from helpers.trainer_run import assert_same_weights, uninterrupted_runs  # noqa: E402 - needs transformers
+from helpers.trainer_run import run_worker as run  # noqa: E402
+
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).resolve().parents[1] / "helpers" / "trainer_run.py"
-
-
-def run(out: Path, weights: Path, *args: str, expect: int = 0, processes: int = 1) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                        "--standalone", "--nproc_per_node", str(processes)]
-    result = subprocess.run([*launcher, str(WORKER), "--out", str(out), "--weights", str(weights), *args],
-                            env=env, capture_output=True, text=True, timeout=150, check=False)
-    failed = result.returncode == 0 if processes > 1 and expect else result.returncode != expect  # torchrun: 1
-    assert not failed, result.stdout[-3000:] + result.stderr[-5000:]
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    left, right = load_file(a), load_file(b)
-    assert left.keys() == right.keys()
-    for key in left:
-        assert torch.equal(left[key], right[key]), key
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[tuple[str, ...], Path]:
+def uninterrupted(tmp_path_factory):
     """Final weights of runs that never stopped, by configuration."""
-    base = tmp_path_factory.mktemp("uninterrupted")
-    done: dict[tuple[str, ...], Path] = {}
-
-    def get(*config: str) -> Path:
-        if config not in done:
-            out = base / f"run{len(done)}"
-            run(out, out.with_suffix(".st"), *config)
-            done[config] = out.with_suffix(".st")
-        return done[config]
-
-    return get  # type: ignore[return-value]
+    return uninterrupted_runs(tmp_path_factory.mktemp("uninterrupted"))
 
 
 @pytest.mark.parametrize("config", [("--strategy", "steps"), ("--strategy", "epoch", "--accum", "2"),
