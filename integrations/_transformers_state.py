@@ -134,7 +134,7 @@ def restore(tree: dict[str, Any], own: dict[str, Any], *, model: torch.nn.Module
     inner_optimizer(optimizer).load_state_dict(trainer["optimizer"])
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
-    if scaler is not None and trainer["scaler"] is not None:
+    if scaler is not None and trainer["scaler"]:  # a disabled scaler saves {}, which an enabled one refuses
         scaler.load_state_dict(trainer["scaler"])
     return own[RANK]["rng"]
 

@@ -52,9 +52,9 @@ class LazyFabricIO(CheckpointIO):
     """
 
     def __init__(self, *, keep_last_k: int | None = None, **options: Any) -> None:
-        if is_url(os.fspath(options.get("spool_dir") or "")):
-            raise ValueError(f"LazyFabricIO(spool_dir={options['spool_dir']!r}): fabric.save writes local folders; "
-                             "give a local spool_dir, or remote=URL for the remote level")
+        if options.get("spool_dir") is not None:
+            raise ValueError(f"LazyFabricIO(spool_dir={options['spool_dir']!r}) has no use: fabric.save writes the "
+                             "local folder it is given (remote=URL adds the remote level behind it); drop spool_dir")
         self.options, _ = SessionOptions.from_keywords(options, owner="LazyFabricIO", source="Fabric",
                                                        keep_last_k=keep_last_k)
         self._runs: dict[str, _Run] = {}
@@ -95,15 +95,15 @@ class LazyFabricIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         verify = self.options.engine.get("verify_on_load", True)
-        if is_url(os.fspath(path)):  # a step on the remote level (a fresh node's folder is empty)
-            return load(os.fspath(path), map_location=map_location, verify=verify,
-                        storage_options=self.options.storage_options)
-        name = os.path.abspath(os.fspath(path))
+        url = is_url(os.fspath(path))  # a step on the remote level (a fresh node's folder is empty)
+        name = os.fspath(path) if url else os.path.abspath(os.fspath(path))
         for folder, run in list(self._runs.items()):
             run.session.engine.wait_staged()  # the load may write into tensors a copy still reads
             if folder in (name, os.path.dirname(name)):
                 run.names.poll(block=True)  # a name or run folder this process saved into: its commits first
                 run.session.engine.wait_staged()  # and a failed one raises here, not at the next update
+        if url:
+            return load(name, map_location=map_location, verify=verify, storage_options=self.options.storage_options)
         target = _lazyckpt_checkpoint(name)
         if target is None:
             return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from lazyckpt.config import normalize_dirpath
@@ -29,6 +28,7 @@ from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.aliases import aliased_steps
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions, restore_rng
+from lazyckpt.ranks.sharding import is_dtensor
 from lazyckpt.read.load import load
 from lazyckpt.storage import LocalStorage
 
@@ -73,6 +73,7 @@ class LazyCheckpointCallback(TrainerCallback):
     # --- the run --------------------------------------------------------------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _refuse_unsupported(args, kwargs.get("model"))
         if args.process_index == 0:  # before train() looks for the newest checkpoint (every rank waits for it)
             names_dir = normalize_dirpath(args.output_dir)
             repaired = trainer_state.name_unnamed_commits(
@@ -280,16 +281,21 @@ class LazyCheckpointCallback(TrainerCallback):
 
 def _refuse_unsupported(args: Any, model: Any) -> None:
     """DeepSpeed and sharded models (FSDP, tensor parallel) are not supported under the Trainer yet: the Trainer
-    loads their weights through loaders of their own, which a lazyckpt step directory does not feed."""
+    loads their weights through loaders of their own, which a lazyckpt step directory does not feed. Checked at
+    ``on_init_end`` (before ``train()`` prepares and loads anything) and again at ``on_train_begin`` (a callback
+    added later); FSDP may come from ``accelerate launch`` too, which only the accelerator's state shows."""
+    from accelerate.state import AcceleratorState, is_initialized
+
     if getattr(args, "deepspeed", None):
         raise ValueError("LazyCheckpointCallback does not support DeepSpeed yet (TrainingArguments.deepspeed="
                          f"{args.deepspeed!r}); train without deepspeed= or drop the callback for now")
-    sharded = model is not None and any(isinstance(p, DTensor) for p in model.parameters())
-    if getattr(args, "fsdp", None) or sharded:
+    sharded = model is not None and any(is_dtensor(p) for p in model.parameters())
+    fsdp = is_initialized() and getattr(AcceleratorState(), "fsdp_plugin", None) is not None
+    if getattr(args, "fsdp", None) or fsdp or sharded:
         raise ValueError("LazyCheckpointCallback does not support sharded models under the Trainer yet "
-                         f"(TrainingArguments.fsdp={getattr(args, 'fsdp', None)!r}, DTensor parameters: {sharded}); "
-                         "train with DDP (no fsdp=), or use LazyCheckpointHook with Accelerate's FSDP2 plugin "
-                         "in a loop of your own (docs/accelerate.md)")
+                         f"(TrainingArguments.fsdp={getattr(args, 'fsdp', None)!r}, an FSDP plugin: {fsdp}, DTensor "
+                         f"parameters: {sharded}); train with DDP (no FSDP), or use LazyCheckpointHook with "
+                         "Accelerate's FSDP2 plugin in a loop of your own (docs/accelerate.md)")
 
 
 def _scaler(optimizer: Any) -> Any:

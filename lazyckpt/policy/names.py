@@ -91,7 +91,14 @@ class CheckpointNames:
         session.hold_names(self.__contains__)
 
     def _kept(self) -> set[int]:
-        return set(self._names.values()) | {r.step for r in self._requests}
+        """What these names keep from every purge of the session (the uploader thread's too): the steps named or
+        requested here, those a link in the names' folder points at (an earlier process's names too), and the step
+        resumed from until this run's first commit."""
+        storage, dirpath = self._session.storage, self._session.dirpath
+        kept = set(self._names.values()) | {r.step for r in list(self._requests)}
+        kept |= aliased_steps(storage, self._names_dir, into=dirpath)
+        resumed = None if self._past_resume else resolve_step(storage, self._resumed_from(), dirpath)
+        return kept if resumed is None else kept | {resumed}
 
     def __contains__(self, name: str) -> bool:
         return os.path.abspath(name) in self._names
@@ -248,10 +255,7 @@ class CheckpointNames:
             self._past_resume = True
             unnamed.add(resumed)
         if unnamed or self._session.options.keep_last_k is not None:
-            protected = aliased_steps(storage, self._names_dir, into=dirpath)
-            if not self._past_resume and resumed is not None:
-                protected.add(resumed)
-            self._session.purge(released=unnamed, protected=protected)
+            self._session.purge(released=unnamed)  # what names keep, on disk too: _kept
 
 
 class _NoNames(CheckpointNames):

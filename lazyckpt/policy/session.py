@@ -84,9 +84,10 @@ class CheckpointSession:
         self._last: PendingCheckpoint | None = None
         self._protectors: list[Callable[[], Collection[int]]] = []
         self._name_holders: list[Callable[[str], bool]] = []
-        self._released_while_uploading: set[int] = set()
+        self._deferred: set[int] = set()
+        """Steps a purge would have deleted but for their upload in flight: deleted once it ends."""
         self._purge_lock = threading.Lock()
-        """One purge at a time: the training thread's, and the uploader thread's once a released step uploaded."""
+        """One purge at a time: the training thread's, and the uploader thread's once a deferred step uploaded."""
         if self.engine.remote is not None:
             self._purge_when_uploaded(self.engine.remote)
 
@@ -225,12 +226,11 @@ class CheckpointSession:
                 return []
             remote = self.engine.remote
             uploading = {step for step in committed if remote is not None and remote.holds(step)}
-            released = set(released) | self._released_while_uploading
-            self._released_while_uploading = released & uploading  # purged once its upload ends
-            protected = set(protected).union(uploading, *(steps() for steps in self._protectors))
+            protected = set(protected).union(*(steps() for steps in self._protectors))
             doomed = steps_to_purge(committed, self.options.keep_last_k, just_committed=max(committed),
-                                    protected=protected, released=released)
-            removed = [step for step in doomed if self.engine.remove(step)]
+                                    protected=protected, released=set(released) | self._deferred)
+            self._deferred = {step for step in doomed if step in uploading}
+            removed = [step for step in doomed if step not in uploading and self.engine.remove(step)]
         for step in removed:
             logger.info("lazyckpt: removed step %d (nothing keeps it)", step)
         return removed
@@ -243,10 +243,22 @@ class CheckpointSession:
         def released(step: int) -> None:
             if directory_purge is not None:
                 directory_purge(step)
-            if step in self._released_while_uploading:
-                self.purge()
+            self._purge_deferred(step)
 
         remote.on_released = released
+
+    def _purge_deferred(self, step: int) -> None:
+        """The upload of ``step`` ended: delete it if a purge had deferred it and nothing keeps it now (names may
+        have come back to it since; the newest step always stays)."""
+        with self._purge_lock:
+            if step not in self._deferred:
+                return
+            self._deferred.discard(step)
+            committed = committed_steps(self.engine.dirpath, self.storage)
+            kept = set().union(*(steps() for steps in self._protectors))
+            if step not in committed or step == max(committed) or step in kept or not self.engine.remove(step):
+                return
+        logger.info("lazyckpt: removed step %d (nothing keeps it; its upload ended)", step)
 
     def resumed(self, step: int, path: str) -> None:
         """Note that the run continues from ``step`` (restored from ``path``); warns when newer checkpoints exist,

@@ -98,8 +98,8 @@ def write_rank_manifest(job: CheckpointJob, storage: Storage, mine: bytes, *, sy
     try:
         storage.write_atomic(os.path.join(job.partial_dir, rank_manifest(job.rank)), mine, sync=sync)
     except FileNotFoundError:
-        if not committed_on_sight or storage.stat(job.final_dir) is None:
-            raise
+        if not committed_on_sight or storage.stat(os.path.join(job.final_dir, rank_manifest(job.rank))) is None:
+            raise  # not renamed with this rank's manifest in it: a real failure
 
 
 def publish_everywhere(job: CheckpointJob, storage: Storage, rendezvous: Rendezvous, *, sync: bool) -> None:

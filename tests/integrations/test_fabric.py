@@ -191,3 +191,8 @@ def test_two_folders_of_one_name_are_refused_on_one_remote(tmp_path, s3_remote):
         fabric.save(tmp_path / "b" / "ckpts" / "last.ckpt", {"model": model})
     io.close()
     assert not (tmp_path / "b").exists()
+
+
+def test_a_spool_dir_is_refused_it_has_no_use_here(tmp_path):
+    with pytest.raises(ValueError, match=r"spool_dir=.* has no use"):
+        lazyckpt.LazyFabricIO(spool_dir=str(tmp_path / "spool"))

@@ -1,5 +1,6 @@
-"""What LazyCheckpointCallback refuses, at on_train_begin, before it writes anything: DeepSpeed and sharded
-models (FSDP, DTensor parameters), whose weights the Trainer loads through loaders of their own."""
+"""What LazyCheckpointCallback refuses, at on_init_end (before train() prepares and loads anything) and again at
+on_train_begin (a callback added later): DeepSpeed and sharded models (FSDP from the arguments or from the
+accelerator's state, DTensor parameters), whose weights the Trainer loads through loaders of their own."""
 
 from __future__ import annotations
 
@@ -13,22 +14,20 @@ from lazyckpt import LazyCheckpointCallback  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
 
-def _begin(args: TrainingArguments, model: torch.nn.Module) -> None:
-    LazyCheckpointCallback().on_train_begin(args, TrainerState(), TrainerControl(), model=model,
-                                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), lr_scheduler=None)
-
-
-def _args(tmp_path) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+def _refused(args: TrainingArguments, model: torch.nn.Module, match: str) -> None:
+    """Both events refuse, and neither wrote anything."""
+    kwargs = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), lr_scheduler=None)
+    for event in ("on_init_end", "on_train_begin"):
+        with pytest.raises(ValueError, match=match):
+            getattr(LazyCheckpointCallback(), event)(args, TrainerState(), TrainerControl(), **kwargs)
 
 
 @pytest.mark.parametrize("field,value,match", [("deepspeed", "ds_config.json", "DeepSpeed"),
                                                 ("fsdp", ["full_shard"], "sharded models")])
 def test_deepspeed_and_fsdp_arguments_are_refused_and_nothing_is_written(tmp_path, field, value, match):
-    args = _args(tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
     setattr(args, field, value)  # set after construction: building such arguments needs the backend installed
-    with pytest.raises(ValueError, match=match):
-        _begin(args, torch.nn.Linear(2, 2))
+    _refused(args, torch.nn.Linear(2, 2), match)
     assert not (tmp_path / "out").exists()
 
 
@@ -37,13 +36,20 @@ def _dtensor_model(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     model = torch.nn.Linear(4, 4)
-    mesh = init_device_mesh("cpu", (world_size,))
-    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh))
-    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match="DTensor parameters: True"):
-        _begin(args, model)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (world_size,))))
+    _refused(TrainingArguments(output_dir=out, use_cpu=True, report_to=[]), model, "DTensor parameters: True")
 
 
-def test_a_model_with_dtensor_parameters_is_refused(tmp_path):
-    run_ranks(_dtensor_model, 1, str(tmp_path / "out"))
+def _fsdp_from_the_launcher(rank: int, world_size: int, out: str) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[])  # no fsdp= in the arguments
+    Accelerator(cpu=True).state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)  # accelerate launch's
+    _refused(args, torch.nn.Linear(2, 2), "an FSDP plugin: True")
+
+
+@pytest.mark.parametrize("setup", [_dtensor_model, _fsdp_from_the_launcher], ids=["dtensor", "launcher-fsdp"])
+def test_a_sharded_model_is_refused_however_it_was_configured(tmp_path, setup):
+    run_ranks(setup, 1, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()

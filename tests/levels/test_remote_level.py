@@ -292,3 +292,26 @@ def test_a_step_released_while_it_uploads_is_deleted_when_close_ends_the_upload(
     session.close()  # the uploads end inside close()
     assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [2]
     assert sorted(remote_steps(FsspecStorage(url, options), url)[0]) == [1, 2]
+
+
+def test_a_purge_finished_after_the_upload_spares_what_a_name_on_disk_keeps(tmp_path, trained, s3_remote):
+    # keep_last_k=1 and every step still uploading: the purge defers. A link an earlier process left (best.ckpt)
+    # keeps step 1 when the uploads end; the released step 2 goes; step 3 is the newest.
+    from lazyckpt.levels.aliases import link_alias
+    from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
+
+    url, options = s3_remote
+    model, opt = trained
+    session = CheckpointSession(tmp_path, SessionOptions(owner="Adapter", source="the framework", remote=url,
+                                                         storage_options=options, keep_last_k=1),
+                                rank=0, world_size=1, engine_retention=False)
+    CheckpointNames(session, lambda step: None)  # its protection: the names on disk too
+    gated = session.engine.remote.storage = GatedRemote(url, options)
+    for s in (1, 2, 3):
+        step(model, opt, seed=s)
+        session.save(s, replicated=snapshot(model, opt), per_rank={}, optimizers=[opt]).wait()
+    link_alias(session.storage, str(tmp_path / "best.ckpt"), str(tmp_path / "step-0000001"))
+    assert session.purge(released={2}) == [], "every step is still uploading"
+    gated.gate.set()
+    session.close()
+    assert sorted(lazyckpt.format.catalog.committed_steps(str(tmp_path))) == [1, 3]
