@@ -11,6 +11,7 @@ the callback.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -111,6 +112,20 @@ def write_trainer_files(storage: Storage, step_dir: str, *, trainer_state: str, 
         storage.write_atomic(os.path.join(step_dir, "config.json"), config_json.encode(), sync=True)
 
 
+def config_json(model: Any) -> str | None:
+    """The model's ``config.json`` as ``save_pretrained`` writes it, which records the model's dtype and class
+    (``architectures``) in the config first; here on a copy, the live config stays as it is. None: no config."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return None
+    saved = copy.copy(config)
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        saved.dtype = str(dtype).split(".")[1]
+    saved.architectures = [type(model).__name__.removeprefix("FSDP")]
+    return saved.to_json_string()
+
+
 def steps_to_keep(steps: list[int], *, limit: int | None, best: int | None) -> set[int]:
     """The Trainer's ``save_total_limit`` rule (``rotate_checkpoints``): the newest and the best are always kept;
     the oldest others go until ``max(limit, len(protected))`` remain."""
@@ -129,10 +144,11 @@ def steps_to_keep(steps: list[int], *, limit: int | None, best: int | None) -> s
 
 
 
-def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: Callable[[str], Any]) -> list[int]:
+def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: Callable[[str], Any], *,
+                         config_json: str | None = None) -> list[int]:
     """Give the Trainer's files and name to the steps a crashed run committed but had not named yet (the names
     follow commits at the next step event), so that ``resume_from_checkpoint=True`` finds the newest; returns
-    those steps. Rank 0, before ``train()`` looks for checkpoints."""
+    those steps. Rank 0, before ``train()`` looks for checkpoints; ``config_json`` is the new run's model's."""
     if storage.stat(dirpath) is None:
         return []
     named = aliased_steps(storage, names_dir, into=dirpath)
@@ -146,7 +162,7 @@ def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: C
         if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
             continue
         write_trainer_files(storage, step_dir, trainer_state=trainer["trainer_state"],
-                            model_keys=list(trainer["model_keys"]), config_json=None)
+                            model_keys=list(trainer["model_keys"]), config_json=config_json)
         link_alias(storage, os.path.join(names_dir, f"{PREFIX}-{step}"), step_dir)
         repaired.append(step)
     return repaired

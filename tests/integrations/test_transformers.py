@@ -113,7 +113,8 @@ def test_a_commit_the_crash_left_unnamed_gets_its_name_at_the_next_start(tmp_pat
         if later.name.endswith(".partial"):
             subprocess.run(["rm", "-rf", str(later)], check=True)
     run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true")
-    assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / "trainer_state.json").is_file()
+    for name in ("trainer_state.json", "config.json"):  # config.json: the resumed run's model's
+        assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / name).is_file(), name
     assert_same_weights(uninterrupted("--strategy", "steps"), tmp_path / "resumed.st")
 
 
