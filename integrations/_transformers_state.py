@@ -6,7 +6,8 @@ them under the names ``model.load_state_dict`` expects: with ``model.safetensors
 ``trainer_state.json`` next to the manifest, the Trainer's loader accepts a lazyckpt step directory as a checkpoint
 of its own (``trainer.train(resume_from_checkpoint=...)``, ``load_best_model_at_end``). What the Trainer's loader
 cannot read (optimizer, scheduler, scaler, RNG) is under ``lazyckpt.trainer`` and ``lazyckpt.rank``, restored by
-the callback.
+the callback; ``lazyckpt export --format transformers`` turns them into the Trainer's own files
+(``lazyckpt.interop.transformers_format``, which owns these keys).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import rank_file, step_dirname
+from lazyckpt.interop.transformers_format import FORMAT, RANK, TRAINER
 from lazyckpt.levels.aliases import aliased_steps, link_alias
 from lazyckpt.policy import capture_rng
 from lazyckpt.storage import Storage
@@ -29,11 +31,6 @@ from lazyckpt.tree.encode import Deferred
 
 from ._compat import inner_optimizer
 
-FORMAT = "lazyckpt.transformers/1"
-TRAINER = "lazyckpt.trainer"
-"""The tree's key of what the Trainer's own loader does not read (replicated)."""
-RANK = "lazyckpt.rank"
-"""The tree's key of this process's own values (RNG states)."""
 INDEX = "model.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
 PREFIX = "checkpoint"
