@@ -6,7 +6,8 @@ them under the names ``model.load_state_dict`` expects: with ``model.safetensors
 ``trainer_state.json`` next to the manifest, the Trainer's loader accepts a lazyckpt step directory as a checkpoint
 of its own (``trainer.train(resume_from_checkpoint=...)``, ``load_best_model_at_end``). What the Trainer's loader
 cannot read (optimizer, scheduler, scaler, RNG) is under ``lazyckpt.trainer`` and ``lazyckpt.rank``, restored by
-the callback.
+the callback; ``lazyckpt export --format transformers`` turns them into the Trainer's own files
+(``lazyckpt.interop.transformers_format``, which owns these keys).
 
 A PEFT model (``PeftModel``, e.g. TRL's ``SFTTrainer(peft_config=LoraConfig(...))``) keeps its whole
 ``state_dict()`` at the root as any model does (the frozen base too), and each step directory also gets what the
@@ -29,6 +30,7 @@ import torch
 
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import rank_file, step_dirname
+from lazyckpt.interop.transformers_format import FORMAT, RANK, TRAINER
 from lazyckpt.levels.aliases import aliased_steps, link_alias
 from lazyckpt.policy import capture_rng
 from lazyckpt.read.reader import CheckpointReader
@@ -38,11 +40,6 @@ from lazyckpt.tree.encode import Deferred
 
 from ._compat import inner_optimizer
 
-FORMAT = "lazyckpt.transformers/1"
-TRAINER = "lazyckpt.trainer"
-"""The tree's key of what the Trainer's own loader does not read (replicated)."""
-RANK = "lazyckpt.rank"
-"""The tree's key of this process's own values (RNG states)."""
 INDEX = "model.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
 PREFIX = "checkpoint"
@@ -172,6 +169,20 @@ def write_adapter_files(storage: Storage, step_dir: str, adapter: dict[str, Any]
     storage.write_atomic(os.path.join(step_dir, ADAPTER_CONFIG), str(adapter["config"]).encode(), sync=True)
 
 
+def config_json(model: Any) -> str | None:
+    """The model's ``config.json`` as ``save_pretrained`` writes it, which records the model's dtype and class
+    (``architectures``) in the config first; here on a copy, the live config stays as it is. None: no config."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return None
+    saved = copy.copy(config)
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        saved.dtype = str(dtype).split(".")[1]
+    saved.architectures = [type(model).__name__.removeprefix("FSDP")]
+    return saved.to_json_string()
+
+
 def steps_to_keep(steps: list[int], *, limit: int | None, best: int | None) -> set[int]:
     """The Trainer's ``save_total_limit`` rule (``rotate_checkpoints``): the newest and the best are always kept;
     the oldest others go until ``max(limit, len(protected))`` remain."""
@@ -190,10 +201,11 @@ def steps_to_keep(steps: list[int], *, limit: int | None, best: int | None) -> s
 
 
 
-def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: Callable[[str], Any]) -> list[int]:
+def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: Callable[[str], Any], *,
+                         config_json: str | None = None) -> list[int]:
     """Give the Trainer's files and name to the steps a crashed run committed but had not named yet (the names
     follow commits at the next step event), so that ``resume_from_checkpoint=True`` finds the newest; returns
-    those steps. Rank 0, before ``train()`` looks for checkpoints."""
+    those steps. Rank 0, before ``train()`` looks for checkpoints; ``config_json`` is the new run's model's."""
     if storage.stat(dirpath) is None:
         return []
     named = aliased_steps(storage, names_dir, into=dirpath)
@@ -207,7 +219,8 @@ def name_unnamed_commits(storage: Storage, dirpath: str, names_dir: str, load: C
         if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
             continue
         write_trainer_files(storage, step_dir, trainer_state=trainer["trainer_state"],
-                            model_keys=list(trainer["model_keys"]), config_json=None, adapter=trainer.get("adapter"))
+                            model_keys=list(trainer["model_keys"]), config_json=config_json,
+                            adapter=trainer.get("adapter"))
         link_alias(storage, os.path.join(names_dir, f"{PREFIX}-{step}"), step_dir)
         repaired.append(step)
     return repaired

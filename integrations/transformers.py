@@ -78,7 +78,8 @@ class LazyCheckpointCallback(TrainerCallback):
             names_dir = normalize_dirpath(args.output_dir)
             repaired = trainer_state.name_unnamed_commits(
                 LocalStorage(), self.dirpath or os.path.join(names_dir, "lazyckpt"), names_dir,
-                load=lambda path: load(path, verify=False))
+                load=lambda path: load(path, verify=False),
+                config_json=trainer_state.config_json(kwargs.get("model")))
             if repaired:
                 logger.info("lazyckpt: named the steps a crashed run had committed: %s", repaired)
         if args.world_size > 1 and torch.distributed.is_initialized():
@@ -245,11 +246,10 @@ class LazyCheckpointCallback(TrainerCallback):
         model = self._objects.get("model")
         if at_save is None or model is None:
             return
-        config = getattr(model, "config", None)
         trainer_state.write_trainer_files(
             self.session.storage, os.path.join(self.session.dirpath, step_dirname(step)),
             trainer_state=at_save.trainer_state, model_keys=sorted(model.state_dict()),
-            config_json=config.to_json_string() if hasattr(config, "to_json_string") else None, adapter=self._adapter)
+            config_json=trainer_state.config_json(model), adapter=self._adapter)
 
     # --- resume ---------------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ Example:
     $ lazyckpt show runs/ckpt/step-0000120
     $ lazyckpt verify runs/ckpt/step-0000120
     $ lazyckpt export runs/ckpt/last.ckpt out/model.safetensors --format safetensors
+    $ lazyckpt export hf-run/checkpoint-6 handed-over --format transformers
 """
 
 from __future__ import annotations
@@ -213,7 +214,13 @@ class _Cli:
         except ValueError as e:  # the arguments (an out file that is a URL): bad usage
             self.problem(str(e))
             return 2
-        info = LocalStorage().stat(out)  # written locally, wherever the checkpoint was read from
+        local = LocalStorage()  # written locally, wherever the checkpoint was read from
+        info = local.stat(out)
+        if info is not None and info.kind is FileKind.DIR:  # the Trainer's checkpoint folder
+            names = ", ".join(sorted(local.list_dir(out)))
+            self.out.print(f"wrote {out} ({human_size(_file_bytes(local, out))}, {args.format}: {names})",
+                           soft_wrap=True)
+            return 0
         self.out.print(f"wrote {out} ({human_size(info.size if info else 0)}, {args.format})", soft_wrap=True)
         return 0
 
@@ -307,19 +314,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every rule and checksum of one or more checkpoints")
     p.add_argument("paths", nargs="+", metavar="path")
     p.set_defaults(fn=_Cli.verify)
-    p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt or a model.safetensors")
+    p = sub.add_parser("export", help="write a checkpoint as a Lightning .ckpt, a model.safetensors or a Hugging "
+                                      "Face Trainer checkpoint folder")
     p.add_argument("path", help="a checkpoint directory or its URL (s3://bucket/run/step-0000040)")
-    p.add_argument("out", help="the local file to write")
+    p.add_argument("out", help="the local file to write (transformers: a directory that does not exist yet)")
     p.add_argument("--format", choices=FORMATS, default="lightning",
                    help="lightning: a .ckpt that torch.load(weights_only=True) accepts; safetensors: the model's "
-                        "weights under their plain names (default lightning)")
+                        "weights under their plain names; transformers: the Trainer's own checkpoint folder "
+                        "(model.safetensors, config.json, trainer_state.json, optimizer.pt, scheduler.pt, "
+                        "rng_state.pth) of a LazyCheckpointCallback checkpoint, which a plain Trainer resumes from "
+                        "and from_pretrained loads (default lightning)")
     p.add_argument("--key", default=None, help="safetensors: the top-level key holding the weights (default: "
                                                "state_dict, else model)")
     p.add_argument("--strip-prefix", default=None,
                    help="safetensors: remove this prefix from every name (default: the prefix all names of a "
                         "Lightning state_dict share, e.g. 'model.')")
     p.add_argument("--keep-duplicates", action="store_true",
-                   help="safetensors: store bit-identical tensors (tied weights) under every name")
+                   help="safetensors, transformers: store bit-identical tensors (tied weights) under every name")
     p.set_defaults(fn=_Cli.export)
     for p in sub.choices.values():
         p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",

@@ -4,6 +4,7 @@
 |---|---|
 | ``lightning_format`` | the Lightning checkpoint dict inside a ``LazyCheckpoint`` checkpoint, and its ``torch.save`` bytes |
 | ``weights_only`` | a loaded state made into what ``torch.load(weights_only=True)`` accepts |
-| ``export`` | ``lazyckpt export``: a Lightning ``.ckpt`` or a Hugging Face-style ``model.safetensors`` |
+| ``export`` | ``lazyckpt export``: a Lightning ``.ckpt``, a Hugging Face-style ``model.safetensors``, or the Trainer's checkpoint folder |
+| ``transformers_format`` | the Hugging Face Trainer's own checkpoint files of a ``LazyCheckpointCallback`` checkpoint (no transformers imported) |
 | ``dcp`` | :class:`~lazyckpt.interop.dcp.StorageReader`: ``torch.distributed.checkpoint.load`` reads lazyckpt checkpoints (DCP's planner reshards) |
 """

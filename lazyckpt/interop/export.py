@@ -1,17 +1,21 @@
 """Export a checkpoint for tools that know nothing of lazyckpt: a Lightning ``.ckpt`` that loads with
-``torch.load(weights_only=True)``, or a Hugging Face-style ``model.safetensors`` (plain parameter names, tied
+``torch.load(weights_only=True)``, a Hugging Face-style ``model.safetensors`` (plain parameter names, tied
 weights stored once, no lazyckpt metadata) that ``safetensors.torch.load_file`` and ``from_pretrained`` read next
-to the model's config.
+to the model's config, or the Hugging Face ``Trainer``'s own checkpoint folder of a checkpoint
+``LazyCheckpointCallback`` wrote (:mod:`lazyckpt.interop.transformers_format`).
 
 Example:
     >>> export("runs/ckpt/last.ckpt", "out/model.ckpt")                                   # doctest: +SKIP
     >>> export("runs/ckpt/last.ckpt", "hf/model.safetensors", format="safetensors")       # doctest: +SKIP
     >>> AutoModel.from_pretrained("hf")   # with the model's config.json next to it       # doctest: +SKIP
+    >>> export("hf-run/checkpoint-6", "handed-over", format="transformers")               # doctest: +SKIP
+    >>> Trainer(...).train(resume_from_checkpoint="handed-over")   # no lazyckpt needed   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,11 +24,12 @@ from safetensors.torch import save as safetensors_bytes
 
 from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
+from lazyckpt.interop.transformers_format import trainer_checkpoint
 from lazyckpt.read.load import check_committed, load
-from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, storage_for, unreachable
 
-FORMATS = ("lightning", "safetensors")
+FORMATS = ("lightning", "safetensors", "transformers")
 LAZYCKPT_ERRORS = (CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError)
 """lazyckpt's own errors (CheckpointCorruptError is a CheckpointFormatError): raised as they are."""
 MODEL_KEYS = ("state_dict", "model")
@@ -39,10 +44,13 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
     Args:
         path: a committed step directory or a name linking to one, or its URL on a remote level
             (``s3://bucket/run/step-0000040``).
-        out_file: the local file to write.
+        out_file: the local file to write (for ``"transformers"``: the directory, which must not exist or be empty).
         format: ``"lightning"``: a Lightning ``.ckpt`` that loads with ``torch.load(weights_only=True)``;
-            ``"safetensors"``: the model's weights under plain parameter names, as ``from_pretrained`` reads them.
-        key, strip_prefix, dedupe: safetensors only; see :func:`export_safetensors`.
+            ``"safetensors"``: the model's weights under plain parameter names, as ``from_pretrained`` reads them;
+            ``"transformers"``: the Hugging Face Trainer's checkpoint folder of a ``LazyCheckpointCallback``
+            checkpoint (see :func:`export_transformers`).
+        key, strip_prefix: safetensors only; see :func:`export_safetensors`.
+        dedupe: safetensors and transformers: store tied weights once.
         storage: where the checkpoint is read from (default: local files, or fsspec for a URL).
         storage_options: passed to fsspec when ``path`` is a URL.
 
@@ -58,9 +66,16 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}")
     _check_local("out_file", out_file)
+    if format == "transformers" and (key is not None or strip_prefix is not None):
+        raise ValueError(f"key={key!r} and strip_prefix={strip_prefix!r} apply to format='safetensors'; a "
+                         "transformers export takes the model's own state_dict() names: drop them")
     try:
         source, reading = storage_for(path, storage, storage_options)
-        check_committed(source, reading, advice=f"export that step: lazyckpt export <that step> {os.fspath(out_file)}")
+        chosen = "" if format == "lightning" else f" --format {format}"
+        check_committed(source, reading, advice=f"export that step: lazyckpt export <that step> "
+                                                f"{os.fspath(out_file)}{chosen}")
+        if format == "transformers":
+            return export_transformers(source, out_file, dedupe=dedupe, storage=reading)
         if format == "safetensors":
             return export_safetensors(source, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
                                       storage=reading)
@@ -111,6 +126,63 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
         weights = drop_duplicates(weights)
     data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
     return _write_atomic(out_file, data)
+
+
+def export_transformers(path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dedupe: bool = True,
+                        verify: bool = True, storage: Storage | None = None,
+                        storage_options: dict[str, Any] | None = None) -> str:
+    """Write the Hugging Face ``Trainer``'s own checkpoint folder of a checkpoint ``LazyCheckpointCallback`` wrote
+    into the local directory ``out_dir``, atomically (a directory next to it, renamed once complete); returns
+    ``out_dir``. A plain ``Trainer`` resumes from it (``train(resume_from_checkpoint=out_dir)``) and
+    ``from_pretrained(out_dir)`` loads the model, without lazyckpt.
+
+    It holds what ``Trainer._save_checkpoint`` writes: ``model.safetensors`` (tied weights once, under the first
+    name of ``state_dict()``, as ``save_pretrained`` keeps them), ``config.json`` (when the step directory has
+    one), ``trainer_state.json``, and unless the run saved the model only, ``optimizer.pt``, ``scheduler.pt``,
+    ``scaler.pt`` (if any) and ``rng_state.pth`` (``rng_state_{i}.pth`` for each process of a multi-process run).
+    Not the ``training_args.bin``, tokenizer or ``generation_config.json``: the checkpoint holds none of them.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not an empty directory.
+        CheckpointFormatError: ``path`` was not written by ``LazyCheckpointCallback`` (the message names the
+            formats that fit it), or its model is sharded across ranks (FSDP).
+    """
+    _check_local("out_dir", out_dir)
+    out_dir, local = os.fspath(out_dir), LocalStorage()
+    _check_out_dir(local, out_dir)  # before the long read
+    source, storage = storage_for(path, storage, storage_options)
+    checkpoint = trainer_checkpoint(source, verify=verify, storage=storage)
+    weights = drop_duplicates(checkpoint.weights) if dedupe else checkpoint.weights
+    model = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
+    return _write_dir_atomic(local, out_dir, {"model.safetensors": model, **checkpoint.files})
+
+
+def _check_out_dir(storage: Storage, out_dir: str) -> None:
+    info = storage.stat(out_dir)
+    if info is None or info.kind is FileKind.DIR and not storage.list_dir(out_dir):
+        return
+    what = {FileKind.DIR: "a directory that is not empty", FileKind.FILE: "a file",
+            FileKind.LINK: "a symbolic link"}.get(info.kind, "a special file")
+    raise FileExistsError(f"out_dir={out_dir!r} is {what}; a transformers export writes a new directory and never "
+                          "mixes its files with others: pass a path that does not exist yet (or remove that one)")
+
+
+def _write_dir_atomic(storage: Storage, out_dir: str, files: dict[str, bytes]) -> str:
+    """Every file into a fresh directory next to ``out_dir``, then one rename: ``out_dir`` is whole or absent."""
+    target = os.path.abspath(out_dir)
+    parent = os.path.dirname(target)
+    storage.make_dir(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    storage.make_dir(tmp)
+    try:
+        for name, data in files.items():
+            storage.write_atomic(os.path.join(tmp, name), data, sync=True)
+        _check_out_dir(storage, out_dir)  # again: something may have appeared there during the read
+        storage.rename(tmp, target, sync=True)
+    except BaseException:
+        storage.remove_tree(tmp)
+        raise
+    return out_dir
 
 
 def _check_local(name: str, out_file: str | os.PathLike[str]) -> None:

@@ -2,7 +2,9 @@
 ``os._exit`` at a chosen step and resume through ``trainer.train(resume_from_checkpoint=...)``; it writes the
 final weights for the test to compare. The Trainer's own synchronous save raises if it is ever reached.
 ``--trl`` trains with TRL's ``SFTTrainer`` instead (a tokenizer and a dataset built here, no download), and
-``--lora`` adds a PEFT LoRA adapter through its ``peft_config``. The tests start it with :func:`run_worker`."""
+``--lora`` adds a PEFT LoRA adapter through its ``peft_config``. With ``--plain`` it is the same run under a plain
+``Trainer``, without the callback and without lazyckpt imported (checked at the end): what someone given an
+exported checkpoint runs. The tests start it with :func:`run_worker`."""
 
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-from lazyckpt import LazyCheckpointCallback
 
 VOCAB = 64
 
@@ -69,12 +69,13 @@ class CrashAt(TrainerCallback):
     """Kill the process at a step's beginning, once the checkpoints requested so far are committed and named (on a
     loaded machine the writer may lag several steps: the test needs one to resume from, whatever the timing)."""
 
-    def __init__(self, step: int, lazy: LazyCheckpointCallback) -> None:
+    def __init__(self, step: int, lazy: LazyCheckpointCallback | None) -> None:
         self.step, self.lazy = step, lazy
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            self.lazy.wait()
+            if self.lazy is not None:
+                self.lazy.wait()
             os._exit(3)
 
 
@@ -126,6 +127,7 @@ def main() -> None:
     p.add_argument("--scaler", action="store_true", help="fp16-style loss scaling: a GradScaler whose scale grows")
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer")
     p.add_argument("--lora", action="store_true", help="with a PEFT LoRA adapter (with --trl)")
+    p.add_argument("--plain", action="store_true", help="a plain Trainer: no callback, lazyckpt never imported")
     a = p.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
@@ -136,17 +138,24 @@ def main() -> None:
                      learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0,
                      **(dict(eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
                              metric_for_best_model="eval_loss", greater_is_better=False) if a.best else {}))
-    lazy = LazyCheckpointCallback()
-    callbacks = [lazy] + ([CrashAt(a.crash_at, lazy)] if a.crash_at is not None else [])
+    lazy = None
+    if not a.plain:
+        from lazyckpt import LazyCheckpointCallback
+
+        lazy = LazyCheckpointCallback()
+    callbacks = ([] if lazy is None else [lazy]) + ([CrashAt(a.crash_at, lazy)] if a.crash_at is not None else [])
     if a.trl:
         trainer = sft_trainer(a, model, arguments, callbacks, eval_n=8 if a.best else None)
     else:
-        trainer = NoSyncSaveTrainer(model=model, args=TrainingArguments(**arguments), train_dataset=dataset(),
-                                    eval_dataset=dataset(8) if a.best else None, callbacks=callbacks)
+        trainer = (Trainer if a.plain else NoSyncSaveTrainer)(
+            model=model, args=TrainingArguments(**arguments), train_dataset=dataset(),
+            eval_dataset=dataset(8) if a.best else None, callbacks=callbacks)
     if a.scaler:  # fp16 needs a GPU; the CPU GradScaler takes the same path (accelerator.backward, the optimizer's step)
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     resume = {"true": True, None: None}.get(a.resume, a.resume)
     trainer.train(resume_from_checkpoint=resume)
+    if a.plain:
+        assert not any(name.split(".")[0] == "lazyckpt" for name in sys.modules), "the plain run imported lazyckpt"
     if a.best:
         print("best:", trainer.state.best_model_checkpoint, trainer.state.best_global_step)
     if trainer.is_world_process_zero():  # the tied output embedding is the input one: saved once

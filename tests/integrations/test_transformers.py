@@ -87,7 +87,8 @@ def test_a_commit_the_crash_left_unnamed_gets_its_name_at_the_next_start(tmp_pat
         if later.name.endswith(".partial"):
             subprocess.run(["rm", "-rf", str(later)], check=True)
     run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true")
-    assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / "trainer_state.json").is_file()
+    for name in ("trainer_state.json", "config.json"):  # config.json: the resumed run's model's
+        assert (tmp_path / "out" / f"checkpoint-{named[-1]}" / name).is_file(), name
     assert_same_weights(uninterrupted("--strategy", "steps"), tmp_path / "resumed.st")
 
 
@@ -110,10 +111,72 @@ def test_save_total_limit_keeps_the_best_and_the_best_model_is_loaded_at_the_end
         assert torch.equal(saved[key], value), key
 
 
-def test_two_processes_crash_and_resume_bit_exact(tmp_path):
-    run(tmp_path / "full", tmp_path / "full.st", processes=2)
+@pytest.fixture(scope="module")
+def two_processes_uninterrupted(tmp_path_factory) -> Path:
+    """Final weights of a two-process run that never stopped."""
+    out = tmp_path_factory.mktemp("two-processes") / "full"
+    run(out, out.with_suffix(".st"), processes=2)
+    return out.with_suffix(".st")
+
+
+def test_two_processes_crash_and_resume_bit_exact(tmp_path, two_processes_uninterrupted):
     run(tmp_path / "out", tmp_path / "crashed.st", "--crash-at", "8", expect=3, processes=2)
     run(tmp_path / "out", tmp_path / "resumed.st", "--resume", "true", processes=2)
-    assert_same_weights(tmp_path / "full.st", tmp_path / "resumed.st")
+    assert_same_weights(two_processes_uninterrupted, tmp_path / "resumed.st")
     manifest = json.loads((tmp_path / "out" / "checkpoint-12" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
+
+
+# --- lazyckpt export --format transformers: the Trainer's own folder, for people without lazyckpt ---------------
+
+TRAINER_FILES = ["config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
+                 "trainer_state.json"]
+
+
+def export_newest(out: Path, into: Path) -> Path:
+    """The newest committed checkpoint of the run in ``out``, exported through the CLI."""
+    from lazyckpt.cli import main
+
+    newest = lazyckpt.latest(out / "lazyckpt")
+    assert newest is not None, "the crashed run committed no checkpoint"
+    assert main(["export", newest, str(into), "--format", "transformers"]) == 0
+    return into
+
+
+@pytest.mark.parametrize("config", [("--strategy", "steps"), ("--strategy", "epoch", "--accum", "2")],
+                         ids=["steps-mid-epoch", "epoch-end-accumulation"])
+def test_an_exported_checkpoint_resumes_in_a_plain_trainer_bit_exact(tmp_path, uninterrupted, config):
+    """The export of a crashed run's newest checkpoint, resumed by a Trainer without the callback in a process
+    that never imports lazyckpt (the worker checks), ends with the weights of the run that never stopped."""
+    crash_at = "8" if config[1] == "steps" else "10"
+    run(tmp_path / "out", tmp_path / "crashed.st", *config, "--crash-at", crash_at, expect=3)
+    exported = export_newest(tmp_path / "out", tmp_path / "handed-over")
+    assert sorted(p.name for p in exported.iterdir()) == TRAINER_FILES
+    run(tmp_path / "plain", tmp_path / "resumed.st", *config, "--plain", "--resume", str(exported))
+    assert_same_weights(uninterrupted(*config), tmp_path / "resumed.st")
+
+
+def test_from_pretrained_loads_the_exported_model(tmp_path, uninterrupted):
+    from transformers import AutoModelForCausalLM
+
+    from lazyckpt.cli import main
+
+    checkpoint = uninterrupted("--strategy", "steps").with_suffix("") / "checkpoint-24"
+
+    assert main(["export", str(checkpoint), str(tmp_path / "model"), "--format", "transformers"]) == 0
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"], "the class recorded, as save_pretrained does"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    saved = lazyckpt.load(checkpoint)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_two_processes_exported_resume_in_a_plain_trainer_bit_exact(tmp_path, two_processes_uninterrupted):
+    run(tmp_path / "out", tmp_path / "crashed.st", "--crash-at", "8", expect=3, processes=2)
+    exported = export_newest(tmp_path / "out", tmp_path / "handed-over")
+    assert sorted(p.name for p in exported.iterdir()) == sorted(
+        [n for n in TRAINER_FILES if n != "rng_state.pth"] + ["rng_state_0.pth", "rng_state_1.pth"])
+    run(tmp_path / "plain", tmp_path / "resumed.st", "--plain", "--resume", str(exported), processes=2)
+    assert_same_weights(two_processes_uninterrupted, tmp_path / "resumed.st")
