@@ -34,7 +34,7 @@ from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import FORMATS, export
 from lazyckpt.levels.aliases import alias_step
-from lazyckpt.read.reader import CheckpointReader, placeholders
+from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, join
@@ -249,8 +249,8 @@ def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[st
     (``best_k_models``: file path to score) include one of ``names``."""
     opened = reader.open_rank(0)
     try:
-        tensors = placeholders(opened)
-        keys = {id(tensor): key for key, tensor in tensors.items()}
+        tensors = reader.all_placeholders(opened)
+        keys = {id(tensor): key for key, tensor in tensors.items() if key in opened.doc["tensors"]}
         state = unflatten(opened.doc["tree"], tensors, opened.manifest)
         callbacks = state.get("callbacks") if isinstance(state, dict) else None
         found = []

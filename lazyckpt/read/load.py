@@ -27,7 +27,7 @@ from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.storage.urls import storage_for
-from lazyckpt.tree.decode import unflatten
+from lazyckpt.tree.decode import unflatten, with_aliases
 
 
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
@@ -80,6 +80,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         if others:  # the global view's tensors, consolidated from every rank's file
             with ShardFiles(reader, verify=verify) as files:
                 tensors.update(files.consolidate(others, device))
+        tensors = with_aliases(tensors, opened.doc.get("aliases", {}))  # one tensor under both keys, as saved
         return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
     finally:
         opened.close()

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 from lazyckpt.tree import values
 from lazyckpt.tree.encode import MAX_DEPTH, MAX_NODE_DEPTH, node_depth
@@ -196,6 +196,32 @@ def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                 targets: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``tensors`` plus a tensor under each alias key (docs/FORMAT.md rule 22): the very tensor of the key it
+    aliases, so the loaded state shares it as the saved one did. A tensor of ``targets`` at an alias key that is
+    another tensor (a state whose weights are not tied) gets a copy of its values and stands there instead.
+
+    Raises:
+        CheckpointMismatchError: such a target's dtype or shape differs from the stored tensor's.
+    """
+    out = dict(tensors)
+    for alias, key in aliases.items():
+        if alias in out:
+            continue
+        source, target = out[key], (targets or {}).get(alias)
+        if target is not None and target is not source:
+            if target.dtype != source.dtype or target.shape != source.shape:
+                raise CheckpointMismatchError(f"tensor {alias!r} (stored as {key!r}) is {source.dtype}"
+                                              f"{list(source.shape)} in the checkpoint, the target {target.dtype}"
+                                              f"{list(target.shape)}")
+            with torch.no_grad():
+                target.copy_(source)
+            source = target
+        out[alias] = source
+    return out
 
 
 # --- walks over an encoded tree ------------------------------------------------------------------------------
