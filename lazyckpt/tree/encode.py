@@ -137,11 +137,12 @@ class _Flattener:
 
     def _leaf_tensor(self, tensor: torch.Tensor, path: Path) -> Any:
         """A tensor leaf; one that is an earlier leaf's tensor (a tied weight) becomes an alias of it. Only plain
-        tensors and parameters count (a DTensor, or any other subclass, is stored as it is), and only within the
-        same PerRank-ness; a leaf merely equal in value to another is a tensor of its own."""
+        tensors and parameters count (a DTensor, or any other subclass, is stored as it is), not negative or
+        conjugate views, and only within the same PerRank-ness; a leaf merely equal in value to another is a
+        tensor of its own."""
         if self.inline_tensors or type(tensor) not in _ALIASABLE or tensor.layout != torch.strided \
-                or tensor.device.type == "meta" or tensor.numel() == 0:
-            return self._tensor(tensor, path)
+                or tensor.device.type == "meta" or tensor.numel() == 0 or tensor.is_neg() or tensor.is_conj():
+            return self._tensor(tensor, path)  # a negative or conjugate view reads other values from one memory
         identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
                     tuple(tensor.shape), tensor.stride())
         first = self._seen.get(identity)

@@ -137,3 +137,17 @@ def test_an_alias_that_does_not_resolve_is_refused_by_load_and_verify(tmp_path, 
     for read in (lazyckpt.load, lazyckpt.verify):
         with pytest.raises(lazyckpt.CheckpointFormatError, match=match):
             read(path)
+
+
+def test_a_negative_or_conjugate_view_of_a_tensor_is_not_an_alias_of_it(tmp_path):
+    a = torch.randn(8, 8)
+    z = torch.randn(4, 4, dtype=torch.complex64)
+    state = {"a": a, "neg": a._neg_view(), "imag": z.imag, "conj_imag": z.conj().imag}
+    path = save(tmp_path / "c", state)
+    assert read_json(os.path.join(path, RANK0))["aliases"] == {}, "same memory, other values: not one tensor"
+    loaded = lazyckpt.load(path)
+    assert torch.equal(loaded["neg"], -a) and torch.equal(loaded["conj_imag"], -z.imag)
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["imag"], z.imag)
+    tied_to_plain = save(tmp_path / "d", {"neg": a._neg_view(), "a": a, "again": a})
+    assert read_json(os.path.join(tied_to_plain, RANK0))["aliases"] == {"again": "a"}
+    assert torch.equal(lazyckpt.load(tied_to_plain)["neg"], -a)
