@@ -161,7 +161,8 @@ class MemoryLevel:
             dests = Destinations(job.entries, targets, where)
             copy_and_check(_transfers(snapshot, dests.raw), job.entries, job.checksums, where,
                            threads=torch.get_num_threads())
-        return job.step, unflatten(job.tree, with_aliases(dests.tensors, job.aliases, targets), where)
+            fitting = dests.alias_targets(job.entries, targets, job.aliases, where)
+        return job.step, unflatten(job.tree, with_aliases(dests.tensors, job.aliases, where, fitting), where)
 
 
 def _transfers(snapshot: _Snapshot, raw: list[np.ndarray]) -> list[Transfer]:

@@ -80,7 +80,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         if others:  # the global view's tensors, consolidated from every rank's file
             with ShardFiles(reader, verify=verify) as files:
                 tensors.update(files.consolidate(others, device))
-        tensors = with_aliases(tensors, opened.doc.get("aliases", {}))  # one tensor under both keys, as saved
+        tensors = with_aliases(tensors, opened.doc.get("aliases", {}), opened.manifest)  # one tensor under both keys, as saved
         return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
     finally:
         opened.close()

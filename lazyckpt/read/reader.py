@@ -160,7 +160,7 @@ class CheckpointReader:
         aliases."""
         tensors = placeholders(opened)
         tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
-        return with_aliases(tensors, opened.doc.get("aliases", {}))
+        return with_aliases(tensors, opened.doc.get("aliases", {}), opened.manifest)
 
     def _placeholders(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Stand-ins for global tensors held in other ranks' files (whose own checks cover their bytes)."""

@@ -25,7 +25,7 @@ from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
-from lazyckpt.tree.decode import drop_per_rank, tensor_keys, unflatten, with_aliases
+from lazyckpt.tree.decode import aliases_in, drop_per_rank, tensor_keys, unflatten, with_aliases
 from lazyckpt.tree.encode import flatten
 
 
@@ -71,18 +71,20 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
     own = rank < reader.world_size
     with ShardFiles(reader, verify=verify) as files:
         doc = files.rank(rank if own else 0).doc
-        aliases = doc.get("aliases", {})
+        where = f"{reader.path}: rank {rank if own else 0}'s manifest"
+        tree = doc["tree"] if own else drop_per_rank(doc["tree"])
         mine = {k for k, info in doc["tensors"].items() if info.get("box") is None} if own else set()
-        unknown = sorted(set(targets) - set(files.index) - mine - set(aliases))
+        available = set(files.index) | mine
+        aliases = {a: k for a, k in aliases_in(tree, doc.get("aliases", {})).items() if k in available}
+        unknown = sorted(set(targets) - available - set(aliases))
         if unknown:
             raise CheckpointMismatchError(f"{reader.path} holds no tensor for the targets {unknown[:8]} "
                                           f"({len(unknown)} in all)")
         loaded = _fill(files, rank, targets, aliases)
-        tree = doc["tree"] if own else drop_per_rank(doc["tree"])
         needed = {aliases.get(k, k) for k in tensor_keys(tree) - set(loaded)} - set(loaded)
         loaded.update(files.consolidate(sorted(needed & set(files.index))))
         loaded.update({k: files.read_whole(rank, k) for k in sorted(needed - set(files.index))})
-        return unflatten(tree, with_aliases(loaded, aliases), f"{reader.path}: rank {rank if own else 0}'s manifest")
+        return unflatten(tree, with_aliases(loaded, aliases_in(tree, doc.get("aliases", {})), where), where)
 
 
 def _fill(files: ShardFiles, rank: int, targets: dict[str, torch.Tensor],

@@ -151,3 +151,35 @@ def test_a_negative_or_conjugate_view_of_a_tensor_is_not_an_alias_of_it(tmp_path
     tied_to_plain = save(tmp_path / "d", {"neg": a._neg_view(), "a": a, "again": a})
     assert read_json(os.path.join(tied_to_plain, RANK0))["aliases"] == {"again": "a"}
     assert torch.equal(lazyckpt.load(tied_to_plain)["neg"], -a)
+
+
+def test_load_into_for_a_rank_beyond_the_saved_ones_skips_the_aliases_of_the_dropped_per_rank_values(tmp_path):
+    t = torch.randn(8)
+    w = torch.randn(4)
+    path = save(tmp_path / "c", {"w": w, "rng": lazyckpt.PerRank({"a": t, "b": t})})
+    assert read_json(os.path.join(path, RANK0))["aliases"] == {"rng/b": "rng/a"}
+    target = torch.zeros(4)
+    out = lazyckpt.load_into(path, {"w": target, "rng": None}, rank=1)
+    assert out == {"w": target, "rng": None} and torch.equal(target, w)
+    mine = lazyckpt.load_into(path, {"w": torch.zeros(4), "rng": None}, rank=0)["rng"]
+    assert torch.equal(mine["a"], t) and mine["b"] is mine["a"]
+
+
+def test_the_memory_snapshot_leaves_alone_an_alias_target_it_cannot_copy_into(tmp_path):
+    model = Tied()
+    with lazyckpt.LazyCheckpointer(tmp_path / "c", keep_in_memory=True) as ckpt:
+        ckpt.save({"model": model.state_dict()}, step=1).wait()
+        untied = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+        untied["head.weight"] = torch.zeros_like(model.head.weight, dtype=torch.bfloat16)
+        untied["embed.weight"] = torch.zeros(model.embed.weight.shape[::-1]).t()  # not contiguous
+        _, state = ckpt.memory_snapshot(into={"model": untied})
+    assert not untied["head.weight"].any() and not untied["embed.weight"].any(), "neither target fits: untouched"
+    got = state["model"]
+    assert torch.equal(got["embed.weight"], model.embed.weight) and got["head.weight"] is got["embed.weight"]
+    assert got["mid.weight"] is untied["mid.weight"] and torch.equal(untied["mid.weight"], model.mid.weight)
+
+
+def test_an_alias_whose_tensor_was_not_loaded_is_a_format_error_not_a_key_error():
+    from lazyckpt.tree.decode import with_aliases
+    with pytest.raises(lazyckpt.CheckpointFormatError, match="'b' is an alias of 'a'"):
+        with_aliases({"c": torch.zeros(1)}, {"b": "a"}, "rank 1's manifest")
