@@ -48,7 +48,9 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
     """Load the state saved in a committed checkpoint directory.
 
     Tensor bytes are read straight into the returned tensors (on ``map_location``'s device through a small
-    reused host buffer), and checksums are checked on worker threads while reading goes on.
+    reused host buffer), and checksums are checked on worker threads while reading goes on. A tensor saved under
+    several names (a tied weight, stored once: docs/FORMAT.md rule 22) comes back as *one* tensor object under
+    all of them, as in the saved state: an in-place change under one name shows under the others.
 
     Args:
         path: a ``step-NNNNNNN`` directory (see :func:`latest`), or its URL on a remote level.
