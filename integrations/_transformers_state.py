@@ -144,8 +144,10 @@ def write_trainer_files(storage: Storage, step_dir: str, *, trainer_state: str, 
     manifest = json.loads(storage.read_bytes(os.path.join(step_dir, "manifest.json"), max_bytes=1 << 30))
     world_size = int(manifest["world_size"])
     tensors = manifest.get("tensors", {})
-    weight_map = {key: rank_file(tensors[key]["boxes"][0]["rank"], world_size)
-                  for key in model_keys if key in tensors}
+    rank0 = json.loads(storage.read_bytes(os.path.join(step_dir, manifest["ranks"][0]), max_bytes=1 << 30))
+    stored_as = {key: rank0.get("aliases", {}).get(key, key) for key in model_keys}  # a tied weight: stored once
+    weight_map = {key: rank_file(tensors[source]["boxes"][0]["rank"], world_size)
+                  for key, source in stored_as.items() if source in tensors}
     index = {"metadata": {"format": FORMAT, "note": "the tensors are those of lazyckpt's rank files; the "
                           "optimizer, scheduler and RNG states are restored by LazyCheckpointCallback"},
              "weight_map": weight_map}

@@ -35,7 +35,7 @@ from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import FORMATS, export
 from lazyckpt.levels.aliases import alias_step
-from lazyckpt.read.reader import CheckpointReader, placeholders
+from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.urls import is_url, join
@@ -256,8 +256,8 @@ def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[st
     (``best_k_models``: file path to score) include one of ``names``."""
     opened = reader.open_rank(0)
     try:
-        tensors = placeholders(opened)
-        keys = {id(tensor): key for key, tensor in tensors.items()}
+        tensors = reader.all_placeholders(opened)
+        keys = {id(tensor): key for key, tensor in tensors.items() if key in opened.doc["tensors"]}
         state = unflatten(opened.doc["tree"], tensors, opened.manifest)
         callbacks = state.get("callbacks") if isinstance(state, dict) else None
         found = []
@@ -276,12 +276,19 @@ def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[st
         opened.close()
 
 
-def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int) -> int:
-    """Add ``value`` under ``parent`` (children down to ``depth``); returns its tensor bytes."""
+def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int,
+              seen: dict[int, str] | None = None, path: str = "") -> int:
+    """Add ``value`` under ``parent`` (children down to ``depth``); returns its tensor bytes. A tensor met before
+    (a tied weight, stored once: docs/FORMAT.md rule 22) is marked tied to its first key path and counted once."""
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
+        described = f"  {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+        if id(value) in seen:
+            parent.add(Text.assemble((name, "bold"), described, (f"  tied to {seen[id(value)]}", "dim")))
+            return 0
+        seen[id(value)] = path
         nbytes = value.numel() * value.element_size()
-        parent.add(Text.assemble((name, "bold"), f"  {str(value.dtype).removeprefix('torch.')} "
-                                 f"{list(value.shape)}  {human_size(nbytes)}"))
+        parent.add(Text.assemble((name, "bold"), f"{described}  {human_size(nbytes)}"))
         return nbytes
     children = _children(value)
     if children is None:
@@ -293,7 +300,8 @@ def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int
     collapsed = depth is not None and level >= depth
     total, count = 0, 0
     for key, child in children:
-        total += _add_node(Tree("") if collapsed else node, key, child, depth, level + 1)
+        total += _add_node(Tree("") if collapsed else node, key, child, depth, level + 1, seen,
+                           f"{path}/{key}" if path else str(key))
         count += 1
     kind = type(value).__name__
     node.label = Text.assemble((name, "bold"), f"  {kind} of {count}", f"  {human_size(total)}" if total else "")

@@ -202,3 +202,10 @@ def test_stall_parts_times_every_part_on_every_rank():
         medians = json.loads(line.split("median ms ", 1)[1])
         assert set(medians) == {"get_state_dict", "lazy_save", "lazy_wait_staged", "dcp_async_save",
                                 "dcp_staging_wait"} and all(v >= 0 for v in medians.values())
+
+
+def test_tree_reads_runs_at_its_smallest_setting():
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "tree_reads.py"), "--scale", "0.01"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "2000 tensors: json.loads" in proc.stdout and "checkpoint: load" in proc.stdout, proc.stdout

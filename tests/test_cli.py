@@ -178,3 +178,13 @@ def test_the_export_function_is_part_of_the_package(dirpath, tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(out)["0.weight"], torch.ones(4, 4))
+
+
+def test_show_counts_a_tied_weight_once_and_marks_it_tied(tmp_path, capsys):
+    w = torch.zeros(4, 4)
+    with lazyckpt.LazyCheckpointer(tmp_path / "run") as ckpt:
+        path = ckpt.save({"embed": {"weight": w}, "head": {"weight": w}}, step=1).wait()
+    code, out, err = run(capsys, "show", path)
+    assert code == 0, err
+    assert "64 bytes of tensors" in out, "stored once, counted once"
+    assert "weight  float32 [4, 4]  tied to embed/weight" in out

@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 
 FORMAT_NAME = "lazyckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version 2 added the SHA-256 of every manifest and of every tensor file's header. Version 3 adds sharding: each
 stored tensor's box in its global tensor (rank manifests) and the global view of which rank holds which box
 (``manifest.json``); a version-2 reader would take a shard for the whole tensor, so it must refuse version 3.
-Versions 1 and 2 stay readable."""
-READABLE_VERSIONS = (1, 2, 3)
+Version 4 adds aliases: a tensor leaf that is another leaf's tensor (a tied weight) is stored once, and the rank
+manifest's ``aliases`` names it; a version-3 reader would miss those leaves, so it must refuse version 4.
+Versions 1 to 3 stay readable."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 STEP_DIR = re.compile(r"step-([0-9]{7,})")

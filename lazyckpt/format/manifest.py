@@ -38,14 +38,15 @@ def seal_manifest(doc: dict[str, Any]) -> dict[str, Any]:
 
 def rank_manifest_doc(*, step: int, rank: int, world_size: int, file: str, tree: Any, header: bytes,
                       entries: list[TensorEntry], checksums: dict[str, list[str]],
-                      boxes: dict[str, Any]) -> dict[str, Any]:
+                      boxes: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     """A rank's manifest; ``header`` is the tensor file's header exactly as written (prefix, JSON, padding);
-    ``boxes`` maps each key to its :class:`~lazyckpt.ranks.sharding.Box` (None: a tensor of this rank alone)."""
+    ``boxes`` maps each key to its :class:`~lazyckpt.ranks.sharding.Box` (None: a tensor of this rank alone);
+    ``aliases`` maps the key of each tensor leaf stored under another key (a tied weight) to that key."""
     tensors = tensor_table_doc(entries, checksums, boxes)
     return seal_manifest({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": step, "rank": rank,
                     "world_size": world_size, "file": file,
                     "checksum": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
-                    "header_sha256": sha256_hex(header), "tensors": tensors, "tree": tree})
+                    "header_sha256": sha256_hex(header), "tensors": tensors, "aliases": aliases, "tree": tree})
 
 
 def tensor_table_doc(entries: list[TensorEntry], checksums: dict[str, list[str]],

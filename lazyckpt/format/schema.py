@@ -72,6 +72,14 @@ def _anything(value: Any, where: str, doc: dict[str, Any]) -> None:
     """The tree is checked by decoding it (lazyckpt.tree.decode), which load and verify both do."""
 
 
+def _aliases(value: Any, where: str, doc: dict[str, Any]) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        _fail(where, "must map tensor keys to tensor keys")
+    stored = sorted(set(value) & set(doc["tensors"]))
+    if stored:
+        _fail(where, f"names stored tensors as aliases: {stored[:5]}")
+
+
 def _tensor_table(schema: dict[str, Check]) -> Check:
     def check(value: Any, where: str, doc: dict[str, Any]) -> None:
         if not isinstance(value, dict):
@@ -159,6 +167,17 @@ def check_against_global_view(doc: dict[str, Any], view: GlobalView, rank: int, 
                                   "rank's file")
 
 
+def check_aliases(doc: dict[str, Any], view: GlobalView, where: str) -> None:
+    """Every alias (rule 22) names a tensor stored under another key: one of this rank's file, or of the global
+    view; an alias itself is stored nowhere."""
+    for alias, key in doc.get("aliases", {}).items():
+        if alias in view.index:
+            _fail(where, f"field 'aliases' names {alias!r}, a tensor of the global view, as an alias")
+        if key not in doc["tensors"] and key not in view.index:
+            _fail(where, f"field 'aliases': {alias!r} is an alias of {key!r}, which neither this rank's file nor "
+                         "the global view holds")
+
+
 def _disagree(where: str, key: str, problem: str) -> None:
     raise CheckpointFormatError(f"{where} and the global view of {MANIFEST} disagree about tensor {key!r}: it "
                                 f"{problem}")
@@ -222,13 +241,16 @@ _RANK_V1 = {**_COMMON, "rank": _rank, "file": _member,
             "checksum": _equals({"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES}),
             "tensors": _tensor_table(_TENSOR), "tree": _anything}
 _RANK_V2 = {**_RANK_V1, "header_sha256": _sha256}
+_RANK_V3 = {**_RANK_V2, "tensors": _tensor_table({**_TENSOR, "box": _box})}
 SCHEMAS: dict[tuple[str, int], dict[str, Check]] = {
     ("top", 1): _TOP_V1,
     ("rank", 1): _RANK_V1,
     ("top", 2): {**_TOP_V1, SEAL_FIELD: _sha256},
     ("rank", 2): {**_RANK_V2, SEAL_FIELD: _sha256},
     ("top", 3): {**_TOP_V1, "tensors": _global_tensors, SEAL_FIELD: _sha256},
-    ("rank", 3): {**_RANK_V2, "tensors": _tensor_table({**_TENSOR, "box": _box}), SEAL_FIELD: _sha256},
+    ("rank", 3): {**_RANK_V3, SEAL_FIELD: _sha256},
+    ("top", 4): {**_TOP_V1, "tensors": _global_tensors, SEAL_FIELD: _sha256},
+    ("rank", 4): {**_RANK_V3, "aliases": _aliases, SEAL_FIELD: _sha256},
 }
 """Fields by (manifest kind, format version); checked in this order (``rank`` after ``world_size``)."""
 

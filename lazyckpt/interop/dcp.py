@@ -110,6 +110,7 @@ class StorageReader(dcp.StorageReader):
         reader = self._reader = CheckpointReader(self.path, self.storage)
         index = reader.top.get("tensors", {})
         outline = reader.outline(0)
+        aliases = reader.aliases(0)  # a tied weight is described (and served) as the tensor it is stored as
         for rank in range(1, reader.world_size) if index else ():  # DCP plans with the global view's shapes:
             reader.open_rank(rank).close()  # each rank's manifest agrees with it first (FORMAT.md rule 20)
         flat, paths = flatten_state_dict(outline)
@@ -117,6 +118,7 @@ class StorageReader(dcp.StorageReader):
         storage_data: dict[MetadataIndex, Any] = {}
         for fqn, value in flat.items():
             key = tensor_key(_saved_path(outline, paths[fqn]))
+            key = aliases.get(key, key)
             if isinstance(value, torch.Tensor) and key in index:
                 info = index[key]
                 chunks = [ChunkStorageMetadata(torch.Size(b["offsets"]), torch.Size(b["lengths"])) for b in info["boxes"]]

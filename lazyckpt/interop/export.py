@@ -124,7 +124,7 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
     weights = {name.removeprefix(prefix): t for name, t in weights.items()}
     if dedupe:
         weights = drop_duplicates(weights)
-    data = safetensors_bytes({name: t.contiguous() for name, t in weights.items()}, metadata={"format": "pt"})
+    data = safetensors_bytes(_unshared(weights), metadata={"format": "pt"})
     return _write_atomic(out_file, data)
 
 
@@ -230,6 +230,19 @@ def drop_duplicates(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         seen.setdefault(signature, []).append(tensor)
         kept[name] = tensor
     return kept
+
+
+def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors of their own memory each: ``load`` gives a tied weight (stored once) as one tensor under
+    each of its names, and safetensors refuses tensors that share memory; kept duplicates get a copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        tensor = tensor.contiguous()
+        address = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if address in seen and tensor.numel() else tensor
+        seen.add(address)
+    return out
 
 
 def _shared_prefix(weights: Mapping[str, torch.Tensor]) -> str:

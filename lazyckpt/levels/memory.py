@@ -31,7 +31,7 @@ import torch
 from lazyckpt.format.checksum import tensor_bytes
 from lazyckpt.read.reshard import tensor_targets
 from lazyckpt.read.snapshot_copy import Destinations, Transfer, copy_and_check
-from lazyckpt.tree.decode import unflatten
+from lazyckpt.tree.decode import unflatten, with_aliases
 from lazyckpt.write.job import CheckpointJob, JobState
 from lazyckpt.write.plan import PIECE_BYTES, Piece, segment_runs, staging_slots
 
@@ -161,7 +161,8 @@ class MemoryLevel:
             dests = Destinations(job.entries, targets, where)
             copy_and_check(_transfers(snapshot, dests.raw), job.entries, job.checksums, where,
                            threads=torch.get_num_threads())
-        return job.step, unflatten(job.tree, dests.tensors, where)
+            fitting = dests.alias_targets(job.entries, targets, job.aliases, where)
+        return job.step, unflatten(job.tree, with_aliases(dests.tensors, job.aliases, where, fitting), where)
 
 
 def _transfers(snapshot: _Snapshot, raw: list[np.ndarray]) -> list[Transfer]:

@@ -27,7 +27,7 @@ from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.storage.urls import storage_for
-from lazyckpt.tree.decode import unflatten
+from lazyckpt.tree.decode import unflatten, with_aliases
 
 
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
@@ -48,7 +48,9 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
     """Load the state saved in a committed checkpoint directory.
 
     Tensor bytes are read straight into the returned tensors (on ``map_location``'s device through a small
-    reused host buffer), and checksums are checked on worker threads while reading goes on.
+    reused host buffer), and checksums are checked on worker threads while reading goes on. A tensor saved under
+    several names (a tied weight, stored once: docs/FORMAT.md rule 22) comes back as *one* tensor object under
+    all of them, as in the saved state: an in-place change under one name shows under the others.
 
     Args:
         path: a ``step-NNNNNNN`` directory (see :func:`latest`), or its URL on a remote level.
@@ -80,6 +82,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         if others:  # the global view's tensors, consolidated from every rank's file
             with ShardFiles(reader, verify=verify) as files:
                 tensors.update(files.consolidate(others, device))
+        tensors = with_aliases(tensors, opened.doc.get("aliases", {}), opened.manifest)  # one tensor under both keys, as saved
         return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
     finally:
         opened.close()

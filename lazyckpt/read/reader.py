@@ -20,11 +20,12 @@ from lazyckpt.format.checksum import sha256_hex
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.format.header import header_length, parse_header, torch_dtype
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD
-from lazyckpt.format.schema import GlobalView, check_against_global_view, check_member_name, parse_manifest
+from lazyckpt.format.schema import (GlobalView, check_against_global_view, check_aliases, check_member_name,
+                                    parse_manifest)
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.storage.urls import is_url
-from lazyckpt.tree.decode import check_references, unflatten
+from lazyckpt.tree.decode import check_references, unflatten, with_aliases
 
 Progress = Callable[[int], None]
 """Called with the number of tensor bytes just read and checked."""
@@ -117,6 +118,7 @@ class CheckpointReader:
         try:
             data_start = _check_header(handle, file, doc, where)
             check_against_global_view(doc, self.view, rank, where)  # before any tensor byte is read
+            check_aliases(doc, self.view, where)
             self._check_tree(doc, rank, where)
         except BaseException:
             handle.close()
@@ -129,7 +131,7 @@ class CheckpointReader:
         seal = doc.get(SEAL_FIELD)
         if seal is not None and (rank, seal) in self._trees_checked:
             return
-        check_references(doc["tree"], doc["tensors"], where)
+        check_references(doc["tree"], [*doc["tensors"], *doc.get("aliases", {})], where)
         if seal is not None:
             self._trees_checked.add((rank, seal))
 
@@ -149,11 +151,16 @@ class CheckpointReader:
         try:
             read_tensor_bytes(opened.handle, opened.file, opened.data_start, opened.doc["tensors"], None,
                               verify=True, progress=progress)
-            tensors = placeholders(opened)
-            tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
-            unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
+            unflatten(opened.doc["tree"], self.all_placeholders(opened), opened.manifest, depth_checked=True)
         finally:
             opened.close()
+
+    def all_placeholders(self, opened: RankFile) -> dict[str, torch.Tensor]:
+        """A placeholder under every key ``opened``'s tree may name: its own tensors, the global view's and its
+        aliases."""
+        tensors = placeholders(opened)
+        tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
+        return with_aliases(tensors, opened.doc.get("aliases", {}), opened.manifest)
 
     def _placeholders(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Stand-ins for global tensors held in other ranks' files (whose own checks cover their bytes)."""
@@ -161,14 +168,19 @@ class CheckpointReader:
         return {k: torch.zeros((), dtype=torch_dtype(index[k]["dtype"], f"{self.path}: tensor {k!r}"))
                 .expand(index[k]["shape"]) for k in keys}
 
+    def aliases(self, rank: int) -> dict[str, str]:
+        """``rank``'s aliases (docs/FORMAT.md rule 22): the key of each tensor leaf stored under another key -> that
+        key; its manifest is opened and checked for it."""
+        opened = self.open_rank(rank)
+        opened.close()
+        return opened.doc.get("aliases", {})
+
     def outline(self, rank: int) -> Any:
         """The decoded state of ``rank`` with every tensor a placeholder of the right dtype and shape (no tensor
         bytes are read); the checks are those of :meth:`read_rank` except the chunk checksums."""
         opened = self.open_rank(rank)
         try:
-            tensors = placeholders(opened)
-            tensors.update(self._placeholders(list(self.top.get("tensors", {}))))
-            return unflatten(opened.doc["tree"], tensors, opened.manifest, depth_checked=True)
+            return unflatten(opened.doc["tree"], self.all_placeholders(opened), opened.manifest, depth_checked=True)
         finally:
             opened.close()
 

@@ -25,7 +25,7 @@ from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
-from lazyckpt.tree.decode import drop_per_rank, tensor_keys, unflatten
+from lazyckpt.tree.decode import aliases_in, drop_per_rank, tensor_keys, unflatten, with_aliases
 from lazyckpt.tree.encode import flatten
 
 
@@ -71,28 +71,44 @@ def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, 
     own = rank < reader.world_size
     with ShardFiles(reader, verify=verify) as files:
         doc = files.rank(rank if own else 0).doc
+        where = f"{reader.path}: rank {rank if own else 0}'s manifest"
+        tree = doc["tree"] if own else drop_per_rank(doc["tree"])
         mine = {k for k, info in doc["tensors"].items() if info.get("box") is None} if own else set()
-        unknown = sorted(set(targets) - set(files.index) - mine)
+        available = set(files.index) | mine
+        aliases = {a: k for a, k in aliases_in(tree, doc.get("aliases", {})).items() if k in available}
+        unknown = sorted(set(targets) - available - set(aliases))
         if unknown:
             raise CheckpointMismatchError(f"{reader.path} holds no tensor for the targets {unknown[:8]} "
                                           f"({len(unknown)} in all)")
-        loaded: dict[str, torch.Tensor] = {}
-        for key, target in targets.items():
-            if key in files.index:
-                files.fill(key, *target_block(key, target, files.index[key]["shape"]))
-            else:
-                _copy_whole(files, rank, key, target)
-            loaded[key] = target
-        tree = doc["tree"] if own else drop_per_rank(doc["tree"])
-        needed = tensor_keys(tree) - set(loaded)
+        loaded = _fill(files, rank, targets, aliases)
+        needed = {aliases.get(k, k) for k in tensor_keys(tree) - set(loaded)} - set(loaded)
         loaded.update(files.consolidate(sorted(needed & set(files.index))))
         loaded.update({k: files.read_whole(rank, k) for k in sorted(needed - set(files.index))})
-        return unflatten(tree, loaded, f"{reader.path}: rank {rank if own else 0}'s manifest")
+        return unflatten(tree, with_aliases(loaded, aliases_in(tree, doc.get("aliases", {})), where), where)
+
+
+def _fill(files: ShardFiles, rank: int, targets: dict[str, torch.Tensor],
+          aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Fill every target from the stored tensor of its key, or of the key it is an alias of (FORMAT.md rule 22):
+    a target that is the very tensor of that key (tied in the live state too) is filled once, keeping the tie."""
+    for key, target in targets.items():
+        source = aliases.get(key, key)
+        if source != key and targets.get(source) is target:
+            continue
+        if source in files.index:
+            files.fill(source, *target_block(source, target, files.index[source]["shape"]))
+        else:
+            _copy_whole(files, rank, source, target)
+    return dict(targets)
 
 
 def tensor_targets(state: Any) -> dict[str, torch.Tensor]:
-    """The tensor leaves of a nested state, keyed as a checkpoint of that state names its tensors."""
-    return dict(flatten(state)[1])
+    """The tensor leaves of a nested state, keyed as a checkpoint of that state names its tensors (a leaf that is
+    an earlier leaf's tensor, e.g. a tied weight, under its own key too: the same tensor object)."""
+    flat = flatten(state)
+    targets = dict(flat.tensors)
+    targets.update({alias: targets[key] for alias, key in flat.aliases.items()})
+    return targets
 
 
 def _copy_whole(files: ShardFiles, rank: int, key: str, target: torch.Tensor) -> None:

@@ -65,6 +65,19 @@ class Destinations:
                 dtype = torch_dtype(entry.dtype, f"{where}: tensor {entry.key!r}")
                 self.tensors[entry.key] = fresh.view(dtype).reshape(entry.shape)
 
+    def alias_targets(self, entries: list[TensorEntry], targets: dict[str, torch.Tensor], aliases: dict[str, str],
+                      where: str) -> dict[str, torch.Tensor]:
+        """The targets at alias keys (docs/FORMAT.md rule 22) that the stored tensor's values can be copied into,
+        as into a target of its own key: the others are left alone, and the alias gets the stored tensor."""
+        by_key = {entry.key: entry for entry in entries}
+        fitting = {}
+        for alias, key in aliases.items():
+            entry = by_key.get(key)
+            target = None if entry is None else _fitting(entry, targets.get(alias), where)
+            if target is not None:
+                fitting[alias] = target
+        return fitting
+
 
 def _fitting(entry: TensorEntry, target: torch.Tensor | None, where: str) -> torch.Tensor | None:
     """``target`` when the entry's bytes can be copied straight into it (a contiguous CPU tensor of the same

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from lazyckpt.format.header import check_shape, numel_of, torch_dtype
 from lazyckpt.tree import values
 from lazyckpt.tree.encode import MAX_DEPTH, MAX_NODE_DEPTH, node_depth
@@ -196,6 +196,43 @@ def decode_inline_tensor(value: dict[str, Any]) -> torch.Tensor:
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def with_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str], where: str,
+                 targets: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``tensors`` plus a tensor under each alias key (docs/FORMAT.md rule 22): the very tensor of the key it
+    aliases, so the loaded state shares it as the saved one did. A tensor of ``targets`` at an alias key that is
+    another tensor (a state whose weights are not tied) gets a copy of its values and stands there instead.
+
+    Raises:
+        CheckpointFormatError: an alias names a key that is not among ``tensors``.
+        CheckpointMismatchError: such a target's dtype or shape differs from the stored tensor's.
+    """
+    out = dict(tensors)
+    for alias, key in aliases.items():
+        if alias in out:
+            continue
+        source, target = out.get(key), (targets or {}).get(alias)
+        if source is None:
+            raise CheckpointFormatError(f"{where}: tensor {alias!r} is an alias of {key!r}, which is not among the "
+                                        "tensors this rank can load (rule 22: an alias names an earlier leaf of the "
+                                        "same tree)")
+        if target is not None and target is not source:
+            if target.dtype != source.dtype or target.shape != source.shape:
+                raise CheckpointMismatchError(f"tensor {alias!r} (stored as {key!r}) is {source.dtype}"
+                                              f"{list(source.shape)} in the checkpoint, the target {target.dtype}"
+                                              f"{list(target.shape)}")
+            with torch.no_grad():
+                target.copy_(source)
+            source = target
+        out[alias] = source
+    return out
+
+
+def aliases_in(tree: Any, aliases: dict[str, str]) -> dict[str, str]:
+    """The aliases a tree refers to (e.g. a tree whose ``PerRank`` values were dropped refers to fewer)."""
+    keys = tensor_keys(tree)
+    return {alias: key for alias, key in aliases.items() if alias in keys}
 
 
 # --- walks over an encoded tree ------------------------------------------------------------------------------

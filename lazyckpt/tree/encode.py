@@ -87,10 +87,14 @@ class _Flattener:
         self._in_per_rank = False
         self.deepest = 0
         """The longest key path of a container seen: only a deep state needs its tree measured."""
+        self.aliases: dict[str, str] = {}
+        """Key of a tensor leaf that is an earlier leaf (same memory, dtype, shape and strides: a tied weight) ->
+        the earlier leaf's key; such a leaf is stored once, under the earlier key (docs/FORMAT.md rule 22)."""
+        self._seen: dict[tuple, tuple[str, bool]] = {}
 
     def encode(self, value: Any, path: Path) -> Any:
         if isinstance(value, torch.Tensor):  # first: most leaves of a training state are tensors
-            return self._tensor(value, path)
+            return self._leaf_tensor(value, path)
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int) and not isinstance(value, enum.Enum):
@@ -130,6 +134,25 @@ class _Flattener:
 
     def _key(self, key: Any, path: Path) -> Any:
         return values.encode_key(key, path, self.encode)
+
+    def _leaf_tensor(self, tensor: torch.Tensor, path: Path) -> Any:
+        """A tensor leaf; one that is an earlier leaf's tensor (a tied weight) becomes an alias of it. Only plain
+        tensors and parameters count (a DTensor, or any other subclass, is stored as it is), not negative or
+        conjugate views, and only within the same PerRank-ness; a leaf merely equal in value to another is a
+        tensor of its own."""
+        if self.inline_tensors or type(tensor) not in _ALIASABLE or tensor.layout != torch.strided \
+                or tensor.device.type == "meta" or tensor.numel() == 0 or tensor.is_neg() or tensor.is_conj():
+            return self._tensor(tensor, path)  # a negative or conjugate view reads other values from one memory
+        identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+                    tuple(tensor.shape), tensor.stride())
+        first = self._seen.get(identity)
+        if first is None or first[1] != self._in_per_rank:
+            encoded = self._tensor(tensor, path)
+            self._seen.setdefault(identity, (encoded["$tensor"], self._in_per_rank))
+            return encoded
+        key = tensor_key(path)
+        self.aliases[key] = first[0]
+        return {"$tensor": key}
 
     def _tensor(self, tensor: torch.Tensor, path: Path) -> Any:
         if tensor.layout != torch.strided:
@@ -181,12 +204,30 @@ class _Flattener:
         )
 
 
-def flatten(state: Any) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple[Path, Deferred]], set[str]]:
-    """Split ``state`` into (JSON tree, [(key, tensor)], [(path, Deferred)], keys of the PerRank tensors)."""
+_ALIASABLE = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flat:
+    """A state split by :func:`flatten`."""
+
+    tree: Any
+    """The JSON tree: every tensor leaf a ``$tensor`` node naming its key."""
+    tensors: list[tuple[str, torch.Tensor]]
+    """The tensors to store, by key, in the state's order (an alias's tensor is stored under its first key)."""
+    deferred: list[tuple[Path, Deferred]]
+    per_rank: set[str]
+    """Keys of the tensors under a PerRank leaf."""
+    aliases: dict[str, str]
+    """Key of a leaf that is an earlier leaf's tensor -> that leaf's key (its tensor is in ``tensors``)."""
+
+
+def flatten(state: Any) -> Flat:
+    """Split ``state`` into its tree, tensors, ``Deferred`` leaves, PerRank keys and aliases."""
     flattener = _Flattener(inline_tensors=False)
     tree = flattener.encode(state, ())
     _check_nesting(tree, flattener.deepest, start=1)
-    return tree, flattener.tensors, flattener.deferred, flattener.per_rank
+    return Flat(tree, flattener.tensors, flattener.deferred, flattener.per_rank, flattener.aliases)
 
 
 def encode_resolved(value: Any, path: Path) -> Any:

@@ -52,8 +52,9 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     Only the tensors this rank owns are planned (see :mod:`lazyckpt.ranks.sharding`). ``agree`` publishes the plan's
     signature to the other ranks (None: no store); it raises when it met them and their states do not agree.
     """
-    tree, leaves, deferred, per_rank = flatten(state)
-    structure, tensors = _STRUCTURES.get(leaves, per_rank, rank=config.rank, world_size=config.world_size,
+    flat = flatten(state)
+    tree, deferred = flat.tree, flat.deferred
+    structure, tensors = _STRUCTURES.get(flat.tensors, flat.per_rank, rank=config.rank, world_size=config.world_size,
                                          coordinated=agree is not None or config.world_size == 1)
     if agree is not None:
         agree(structure.signature)
@@ -62,7 +63,8 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
     boxes = structure.boxes  # shared with every job of this structure: read only (the commit's tensor table)
     placed, data_bytes, header, pieces, tables_bytes = structure.layout(
         lazy, lambda entries: _plan(entries, boxes, config.world_size))
-    needed = len(header) + data_bytes + manifest_bytes(tree, tables_bytes, config.world_size)
+    needed = len(header) + data_bytes + manifest_bytes(tree, tables_bytes + _json_bytes(flat.aliases),
+                                                       config.world_size)
     _check_free_space(storage, dirpath, needed + config.min_free_bytes, step)
     backend = backend_for(list(tensors.values()))
     sources, versions = [], {}
@@ -81,7 +83,7 @@ def capture_job(state: Any, *, step: int, dirpath: str, config: CheckpointConfig
         header=header, checksums={e.key: [""] * num_chunks(e.nbytes) for e in placed},
         stats=CheckpointStats(step=step, nbytes=len(header) + data_bytes,
                               lazy_bytes=sum(e.nbytes for e in placed if e.lazy)),
-        boxes=boxes,
+        boxes=boxes, aliases=flat.aliases,
     )
 
 
@@ -109,13 +111,17 @@ def manifest_bytes(tree: Any, tensor_tables_bytes: int, world_size: int) -> int:
     return tree_bytes + tensor_tables_bytes + _MANIFEST_OVERHEAD_BYTES + 32 * world_size
 
 
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
 def _tensor_tables_bytes(entries: list[TensorEntry], boxes: dict[str, Box | None], world_size: int) -> int:
     """This rank's tensor table, plus an upper estimate of the global index in ``manifest.json`` (every sharded
     tensor with one box per rank)."""
     placeholder = format_checksum(0)
     table = tensor_table_doc(entries, {e.key: [placeholder] * num_chunks(e.nbytes) for e in entries}, boxes)
     index = global_index({0: tensor_summary(table)})
-    return len(json.dumps(table, separators=(",", ":"))) + world_size * len(json.dumps(index, separators=(",", ":")))
+    return _json_bytes(table) + world_size * _json_bytes(index)
 
 
 def _check_free_space(storage: Storage, dirpath: str, needed: int, step: int) -> None:

@@ -61,7 +61,8 @@ def commit(job: CheckpointJob, storage: Storage, *, sync: bool, timeout_s: float
     """Publish this rank's manifest and, on a directory's leader, commit once every rank is durable."""
     doc = rank_manifest_doc(step=job.step, rank=job.rank, world_size=job.world_size,
                             file=rank_file(job.rank, job.world_size), tree=job.tree, entries=job.entries,
-                            checksums=job.checksums, header=job.header, boxes=job.boxes)
+                            checksums=job.checksums, header=job.header, boxes=job.boxes,
+                            aliases=job.aliases)
     mine = encode_manifest(doc)
     write_rank_manifest(job, storage, mine, sync=sync, committed_on_sight=rendezvous is None and job.rank != 0)
     summary = tensor_summary(doc["tensors"])

@@ -95,6 +95,8 @@ class CheckpointJob:
     boxes: dict[str, Any] = field(default_factory=dict)
     """Per written key: its :class:`~lazyckpt.ranks.sharding.Box` in the global tensor, None for a tensor of this rank
     alone."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Key of a tensor leaf stored under another key (the same tensor, e.g. a tied weight) -> that key."""
     attempt: int = 0
     """This checkpointer's save counter, the same on every rank: the key of this attempt's rendezvous."""
     _changed: threading.Condition = field(default_factory=threading.Condition)

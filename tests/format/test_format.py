@@ -189,7 +189,7 @@ def test_latest_ignores_steps_whose_manifest_is_not_a_regular_file(tmp_path, sav
     assert lazyckpt.latest(tmp_path / "c") == saved
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_checkpoints_of_earlier_format_versions_stay_readable(saved, version):
     expected = lazyckpt.load(saved)
     downgrade(saved, version)
@@ -199,6 +199,7 @@ def test_checkpoints_of_earlier_format_versions_stay_readable(saved, version):
 
 
 def test_a_version_2_manifest_relabelled_as_version_1_is_refused(saved):
+    downgrade(saved, 2)
     edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(format_version=1), seal=False)
     load_and_verify_refuse(saved, match=r"unknown \['header_sha256', 'manifest_sha256'\]")
 
@@ -210,9 +211,10 @@ def test_resealing_an_unchanged_checkpoint_keeps_it_valid(saved):
     assert_tree_equal(lazyckpt.load(saved), expected)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_a_checkpoint_written_by_an_earlier_format_version_loads_and_verifies(tmp_path, version):
-    """tests/format/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no sharding)."""
+    """tests/format/data/format-vN was written by the release of format version N (1: no seals; 2: seals, no
+    sharding; 3: sharding, no aliases)."""
     import math
     import shutil
 
@@ -227,5 +229,6 @@ def test_a_checkpoint_written_by_an_earlier_format_version_loads_and_verifies(tm
 
 def test_a_version_3_manifest_relabelled_as_version_2_is_refused(saved):
     """A version-2 reader would take a shard for a whole tensor: version 3's boxes must never pass as version 2."""
+    downgrade(saved, 3)
     edit_manifest(os.path.join(saved, RANK0), lambda d: d.update(format_version=2))
     load_and_verify_refuse(saved, match=r"unknown \['box'\]")

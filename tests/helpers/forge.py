@@ -82,15 +82,17 @@ def reseal(checkpoint):
 
 
 def downgrade(checkpoint, version):
-    """Rewrite a single-rank checkpoint's manifests as format ``version`` wrote them (1: no seals and no
-    sharding; 2: sealed, no sharding)."""
+    """Rewrite a single-rank checkpoint (without aliases) as format ``version`` wrote it (1: no seals and no
+    sharding; 2: sealed, no sharding; 3: sharding, no aliases)."""
     for name in [MANIFEST, *read_json(os.path.join(checkpoint, MANIFEST))["ranks"]]:
         path = os.path.join(checkpoint, name)
         doc = read_json(path)
         doc.pop("manifest_sha256", None)
+        assert not doc.pop("aliases", {}), "a checkpoint with aliases has no earlier format"
         if version == 1:
             doc.pop("header_sha256", None)
-        doc.pop("tensors", None) if name == MANIFEST else [t.pop("box") for t in doc["tensors"].values()]
+        if version <= 2:
+            doc.pop("tensors", None) if name == MANIFEST else [t.pop("box") for t in doc["tensors"].values()]
         doc["format_version"] = version
         if version >= 2:
             write_manifest(path, doc)

@@ -133,7 +133,7 @@ FILE_LIES = ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors
 def _top_fields(top: dict[str, Any]) -> Iterator[Mutation]:
     yield from _members(TOP, "top fields", (), {k: v for k, v in top.items() if k != "manifest_sha256"})
     yield from _values(TOP, "top fields", ("format",), ["lazyckpt2", "", None])
-    yield from _values(TOP, "top fields", ("format_version",), [1, 2, 4, "3", 3.0, *HUGE[:3], None])
+    yield from _values(TOP, "top fields", ("format_version",), [1, 2, 3, 5, "4", 4.0, *HUGE[:3], None])
     yield from _values(TOP, "top fields", ("step",), _int_lies(top["step"]))
     yield from _values(TOP, "top fields", ("world_size",), _int_lies(top["world_size"]))
     ranks = top["ranks"]
@@ -187,7 +187,7 @@ def _global_boxes(key: str, info: dict[str, Any]) -> Iterator[Mutation]:
 def _rank_fields(file: str, doc: dict[str, Any]) -> Iterator[Mutation]:
     family = "rank fields"
     yield from _members(file, family, (), {k: v for k, v in doc.items() if k != "manifest_sha256"})
-    yield from _values(file, family, ("format_version",), [2, 4, "3", None])
+    yield from _values(file, family, ("format_version",), [2, 3, 5, "4", None])
     for field in ("step", "rank", "world_size"):
         yield from _values(file, family, (field,), _int_lies(doc[field]))
     yield from _values(file, "file names", ("file",), [name for name in FILE_LIES if name != doc["file"]])

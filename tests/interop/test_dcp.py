@@ -101,3 +101,19 @@ def test_each_rank_tree_is_checked_once_per_load(tmp_path, monkeypatch):
     _dcp_load(path, state)
     assert torch.equal(state["w"], torch.full((2,), 5.0)) and state["n"] == 1
     assert len(walks) == 1, walks
+
+
+def test_a_tied_weight_stored_once_loads_through_dcp_into_tied_and_untied_targets(tmp_path):
+    embed = torch.nn.Embedding(20, 8)
+    head = torch.nn.Linear(8, 20, bias=False)
+    head.weight = embed.weight
+    state = {"model": {"embed.weight": embed.weight.detach(), "head.weight": head.weight.detach()}}
+    with lazyckpt.LazyCheckpointer(tmp_path / "c") as ckpt:
+        path = ckpt.save(state, step=1).wait()
+    fresh = torch.nn.Embedding(20, 8)
+    tied = {"model": {"embed.weight": fresh.weight.detach(), "head.weight": fresh.weight.detach()}}
+    _dcp_load(path, tied)
+    assert torch.equal(fresh.weight, embed.weight)
+    untied = {"model": {k: torch.zeros(20, 8) for k in ("embed.weight", "head.weight")}}
+    _dcp_load(path, untied)
+    assert all(torch.equal(t, embed.weight) for t in untied["model"].values())
