@@ -47,7 +47,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 import lazyckpt  # noqa: E402
 from lazyckpt import LazyCheckpointCallback  # noqa: E402
 
-DEFAULT = {"params_m": 20.0, "batch": 4, "seq": 32, "every": 10, "checkpoints": 3, "repeats": 3}
+DEFAULT = {"params_m": 20.0, "batch": 4, "seq": 32, "every": 10, "checkpoints": 3, "repeats": 5}
 SMALL = {"params_m": 0.3, "batch": 2, "seq": 16, "every": 3, "checkpoints": 1, "repeats": 1}
 METHODS = {"none": "no checkpoint", "trainer_save": "Trainer's own save (_save_checkpoint + fsync)",
            "lazyckpt": "LazyCheckpointCallback"}
@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own default here)")
     p.add_argument("--every", type=int, help="save_steps (default 10)")
     p.add_argument("--checkpoints", type=int, help="measured saves per run (default 3)")
-    p.add_argument("--repeats", type=int, help="runs per method, in rotation (default 3)")
+    p.add_argument("--repeats", type=int, help="runs per method, in rotation (default 5)")
+    p.add_argument("--save-total-limit", type=int, help="the TrainingArguments' save_total_limit of both saving "
+                   "runs (default None, the Trainer's: every checkpoint kept; N: the oldest deleted as they go)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="checkpoints go in a fresh directory under it, removed at the end")
     p.add_argument("--json", help="write machine, config, per-method results and every run here")
@@ -93,9 +95,9 @@ def tokens(w: Workload) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def arguments(w: Workload, output_dir: str, *, save: bool) -> TrainingArguments:
+def arguments(w: Workload, output_dir: str, *, save: bool, limit: int | None = None) -> TrainingArguments:
     return TrainingArguments(output_dir=output_dir, max_steps=w.total_steps, per_device_train_batch_size=w.batch,
-                             save_strategy="steps" if save else "no", save_steps=w.every, save_total_limit=2,
+                             save_strategy="steps" if save else "no", save_steps=w.every, save_total_limit=limit,
                              logging_strategy="no", learning_rate=w.lr, seed=w.seed, report_to=[], use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0)
 
@@ -179,14 +181,15 @@ def live_state(model: torch.nn.Module, optimizer: Any, *, clone: bool) -> dict[s
 # --- one run ---------------------------------------------------------------------------------------------------
 
 
-def run_one(key: str, w: Workload, root: str, repeat: int, reference: dict | None) -> dict[str, Any]:
+def run_one(key: str, w: Workload, root: str, repeat: int, reference: dict | None,
+            limit: int | None = None) -> dict[str, Any]:
     """One training run of method ``key``; without ``reference`` it is the untimed reference run itself."""
     output_dir = os.path.join(root, f"{key}-r{repeat}")
     lazy = LazyCheckpointCallback(fsync=True) if key == "lazyckpt" else None
     clock = Clock(w, capture=() if reference else (w.verified_step,), lazy=lazy)
     if lazy is not None:
         time_hooks(lazy, clock)
-    trainer = TimedTrainer(model=gpt2(w), args=arguments(w, output_dir, save=key != "none"),
+    trainer = TimedTrainer(model=gpt2(w), args=arguments(w, output_dir, save=key != "none", limit=limit),
                            train_dataset=tokens(w), callbacks=[clock] + ([lazy] if lazy else []))
     trainer.remove_callback(PrinterCallback)  # the run's summary dict on stdout
     started = now()
@@ -196,7 +199,8 @@ def run_one(key: str, w: Workload, root: str, repeat: int, reference: dict | Non
     try:
         if reference is None:
             return {"at_step": clock.states[w.verified_step], "final": final}
-        out = {"method": key, "repeat": repeat, "e2e_s": e2e, **summarize(key, w, clock, trainer)}
+        out = {"method": key, "repeat": repeat, "e2e_s": e2e, "loadavg": os.getloadavg(),
+               **summarize(key, w, clock, trainer)}
         out.update(verify(key, w, output_dir, final, reference, trainer))
         return out
     finally:
@@ -258,11 +262,11 @@ def read_lazy_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per method: medians (min–max) over the repeats; ratios against the baseline's medians, and the
-    stall ratio of each repeat's two saving runs."""
+    """One entry per method: medians (min–max) over the repeats of each run's value, and of its ratio to the run of
+    the same repeat it is compared with (the baseline's; the stall ratio: the Trainer's own save's over lazyckpt's):
+    the runs of one repeat follow each other, so they share the machine's load more than runs far apart."""
     by = {key: [r for r in runs if r["method"] == key] for key in METHODS}
-    base_e2e = median([r["e2e_s"] for r in by["none"]])
-    base_quiet = median([median(r["quiet_step_s"]) for r in by["none"] if r["quiet_step_s"]])
+    base = {r["repeat"]: r for r in by["none"]}
     entries = []
     for key, label in METHODS.items():
         mine = by[key]
@@ -272,8 +276,10 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "verify_problems": [f"repeat {r['repeat']}: {p}" for r in mine for p in r["verify_problems"]],
             "step_ms": spread([1e3 * median(r["step_s"]) for r in mine]),
             "quiet_step_ms": spread([1e3 * median(r["quiet_step_s"]) for r in mine if r["quiet_step_s"]]),
-            "quiet_step_x": spread([median(r["quiet_step_s"]) / base_quiet for r in mine if r["quiet_step_s"]]),
-            "e2e_s": spread([r["e2e_s"] for r in mine]), "e2e_x": spread([r["e2e_s"] / base_e2e for r in mine]),
+            "quiet_step_x": spread([median(r["quiet_step_s"]) / median(b["quiet_step_s"]) for r in mine
+                                    if (b := base.get(r["repeat"])) and r["quiet_step_s"] and b["quiet_step_s"]]),
+            "e2e_s": spread([r["e2e_s"] for r in mine]),
+            "e2e_x": spread([r["e2e_s"] / b["e2e_s"] for r in mine if (b := base.get(r["repeat"]))]),
             "drain_s": spread([r["drain_s"] for r in mine])}
         if key != "none":
             entry.update(stall_ms=spread([1e3 * median(r["stall_s"]) for r in mine if r["stall_s"]]),
@@ -350,17 +356,20 @@ def benchmark(args: argparse.Namespace, w: Workload, root: str, started: float) 
     reference = run_one("none", w, root, -1, None)  # untimed: warms the process up, keeps the states verified
     keys, runs = list(METHODS), []
     for repeat in range(args.repeats):
-        for key in keys[repeat % 3:] + keys[:repeat % 3]:
-            result = run_one(key, w, root, repeat, reference)
+        for key in keys[repeat % len(keys):] + keys[:repeat % len(keys)]:
+            result = run_one(key, w, root, repeat, reference, args.save_total_limit)
             runs.append(result)
             status = "verified" if result["verified"] else "FAIL " + "; ".join(result["verify_problems"])
             stall = f", stall {1e3 * median(result['stall_s']):.1f} ms" if result["stall_s"] else ""
-            log(f"[repeat {repeat + 1}/{args.repeats}] {key:13s} {result['e2e_s']:6.1f} s{stall}  {status}")
+            log(f"[repeat {repeat + 1}/{args.repeats}] {key:13s} {result['e2e_s']:6.1f} s{stall}  {status}  "
+                f"(load {result['loadavg'][0]:.1f})")
     entries = aggregate(runs)
     config = {**w.describe(), "model": "GPT2LMHeadModel (GPT2Config, untied head)", "parameters": n_params,
-              "optim": arguments(w, root, save=False).optim, "repeats": args.repeats, "threads": w.threads,
+              "optim": arguments(w, root, save=False).optim, "save_total_limit": args.save_total_limit,
+              "repeats": args.repeats, "threads": w.threads,
               "small": args.small, **run_facts(started, "transformers_save.py")}
-    emit(args, f"GPT-2 {n_params / 1e6:.1f}M parameters, save_steps={w.every}, torch threads {w.threads}; medians "
+    emit(args, f"GPT-2 {n_params / 1e6:.1f}M parameters, save_steps={w.every}, save_total_limit="
+         f"{args.save_total_limit}, torch threads {w.threads}; medians "
          f"(min–max) over {args.repeats} repeat(s)", markdown_table(entries), targets(entries), entries,
          {"machine": machine, "config": config, "methods": entries, "targets": targets(entries), "runs": runs})
     log(f"total {time.monotonic() - started:.0f}s")
