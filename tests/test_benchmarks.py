@@ -225,7 +225,7 @@ def test_transformers_save_small_verifies_every_method_and_reports_the_ratio(tmp
     assert methods["lazyckpt"]["stall_ratio"]["n"] == 1 and methods["lazyckpt"]["callback_ms"]["median"] > 0
     assert [t["target"] for t in data["targets"]["lazyckpt"]] == [
         "stall <= 1/20 of the Trainer's own save", "the callback's time per save <= 1/20 of the Trainer's own save",
-        "quiet step <= 1.05x no checkpoint"]
+        "quiet step <= 1.05x no checkpoint", "overhead per save below the Trainer's own save's"]
     assert data["config"]["command"].startswith("python benchmarks/transformers_save.py --small")
     assert "| LazyCheckpointCallback | yes |" in proc.stdout
     assert os.listdir(work) == []
@@ -259,7 +259,8 @@ def test_transformers_save_ratios_pair_the_runs_of_one_repeat(monkeypatch):
     def run(method, repeat, stall_s, quiet_s, e2e_s):
         return {"method": method, "repeat": repeat, "verified": True, "verify_problems": [], "step_s": [quiet_s],
                 "quiet_step_s": [quiet_s], "e2e_s": e2e_s, "drain_s": 0.0, "stall_s": stall_s, "first_stall_s": 1.0,
-                "callback_s_per_save": 0.02 if method == "lazyckpt" else None, "durable_s": [], "ckpt_bytes": 1 << 20}
+                "callback_s_per_save": 0.02 if method == "lazyckpt" else None, "durable_s": [], "ckpt_bytes": 1 << 20,
+                "measured_s": e2e_s, "saves": 2, "after_save_s": [quiet_s]}
 
     runs = [run("none", 0, [], 1.0, 10.0), run("none", 1, [], 1.2, 12.0),
             run("trainer_save", 0, [0.5, 0.7], 1.0, 14.0), run("trainer_save", 1, [1.0], 1.1, 16.0),
@@ -270,5 +271,9 @@ def test_transformers_save_ratios_pair_the_runs_of_one_repeat(monkeypatch):
     assert entries["lazyckpt"]["quiet_step_x"]["max"] == pytest.approx(1.05)  # 1.05 / 1.0 and 1.26 / 1.2
     assert entries["lazyckpt"]["quiet_step_x"]["min"] == pytest.approx(1.05)
     assert entries["trainer_save"]["e2e_x"]["median"] == pytest.approx((14 / 10 + 16 / 12) / 2)
+    assert entries["lazyckpt"]["overhead_ms"]["median"] == pytest.approx(0)  # (11 - 10) / 2 and (11 - 12) / 2 s
+    assert entries["trainer_save"]["overhead_ms"]["median"] == pytest.approx(2000)
     rows = transformers_save.targets(list(entries.values()))["lazyckpt"]
-    assert [row["met"] for row in rows] == [False, True, True]  # 55 ms > 800 / 20 ms; 20 ms <= 40 ms; 1.05
+    # 55 ms > 800 / 20 ms; 20 ms <= 40 ms; 1.05 <= 1.05; 0 < 2000 ms, further apart than the noise (500 ms)
+    assert [row["met"] for row in rows] == [False, True, True, True]
+    assert rows[3]["noise"] == pytest.approx(500)
