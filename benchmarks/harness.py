@@ -78,9 +78,9 @@ def fork_server(workload: Workload, malloc_mmap_threshold: int | None = None) ->
     return server
 
 
-def run_facts(started: float) -> dict[str, Any]:
+def run_facts(started: float, script: str = "compare.py") -> dict[str, Any]:
     """What every run's JSON config records about how it ran: the command, the allocator, time and load."""
-    return {"command": " ".join(["python benchmarks/compare.py", *sys.argv[1:]]), "allocator_env": allocator_env(),
+    return {"command": " ".join([f"python benchmarks/{script}", *sys.argv[1:]]), "allocator_env": allocator_env(),
             "wall_s": round(time.monotonic() - started, 1), "loadavg_at_end": os.getloadavg()}
 
 

@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -310,16 +311,19 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
     }
 
 
-def quiet_step_durations(w: Workload, rec: Recorder, durable: dict[int, float]) -> list[float]:
+def quiet_step_durations(w: Workload, rec: Recorder, durable: dict[int, float],
+                         saves: Callable[[int], bool] | None = None) -> list[float]:
     """Durations of the measured steps far from any checkpoint: a step that neither requests one nor follows a
     request, and starts after the previous checkpoint is durable (where the method reports when). A slow quiet
     step is a cost the method leaves behind between checkpoints (e.g. a thread that keeps competing for cores).
-    The same steps of the no-checkpoint baseline are its yardstick."""
+    The same steps of the no-checkpoint baseline are its yardstick. ``saves(step)`` tells the steps that save
+    (default ``w.is_checkpoint``; a Hugging Face Trainer also saves at its last step)."""
+    saves = saves or w.is_checkpoint
     out = []
     for step in range(w.first_measured_step, w.total_steps + 1):
-        if w.is_checkpoint(step) or w.is_checkpoint(step - 1):
+        if saves(step) or saves(step - 1):
             continue
-        previous = max(c for c in range(w.every, step) if w.is_checkpoint(c))
+        previous = max(c for c in range(w.every, step) if saves(c))
         if previous in durable and previous in rec.request_at and \
                 rec.request_at[previous] + durable[previous] > rec.start[step]:
             continue

@@ -12,12 +12,21 @@ Everything is plain torch so that both the Lightning and the Accelerate examples
     train_loader, val_loader = build_dataloaders(batch_size=16, seed=0)
     logits = model(batch["input_ids"], batch["attention_mask"])
     loss = F.cross_entropy(logits, batch["labels"])
+
+plus what the demos share: their runs, each in a process of its own (``run_demo_processes``), the outcome of
+their crash and resume (``demo_outcome``), and what they print and compare (``median_ms``, ``same_state``). The
+Hugging Face Trainer example uses only those: its model is a GPT-2 from a config.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import statistics
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -275,3 +284,55 @@ def build_dataloaders(batch_size: int = 16, *, seed: int = 0, n_train: int = 512
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits.argmax(-1) == labels).float().mean()
+
+
+# ---------------------------------------------------------------------------------------------------- demos
+def median_ms(seconds: list[float]) -> str:
+    """The median of ``seconds`` in milliseconds, as the demos print it."""
+    return f"{1e3 * statistics.median(seconds):.1f} ms" if seconds else "n/a"
+
+
+def same_state(a, b) -> bool:
+    """Whether two states (nested dicts, lists and tensors) are equal bit for bit: same keys, dtypes and values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def run_demo_processes(script: str, root: str, runs: list[tuple[str, str, list, int]], *, dir_flag: str,
+                       common: list, more: tuple[str, ...] = ()) -> list[dict | None] | None:
+    """Run ``script`` once per ``(title, name, extra arguments, expected exit code)``, each in a process of its own
+    with ``dir_flag root/name``, ``--out root/name-i.pt`` and ``--report root/name-i.json``; returns the reports
+    (None for a run that wrote none, e.g. one that crashed on purpose), or None when a run's exit code was not the
+    expected one."""
+    reports: list[dict | None] = []
+    for i, (title, name, extra, expected_rc) in enumerate(runs):
+        print(f"[{i + 1}/{len(runs)}] {title}", flush=True)
+        out, report = os.path.join(root, f"{name}-{i}.pt"), os.path.join(root, f"{name}-{i}.json")
+        cmd = [sys.executable, script, dir_flag, os.path.join(root, name), *map(str, common), *map(str, extra),
+               "--out", out, "--report", report, *more]
+        rc = subprocess.run(cmd).returncode
+        if rc != expected_rc:
+            print(f"run {title!r} exited with {rc}, expected {expected_rc}")
+            return None
+        if os.path.exists(report):
+            with open(report) as f:
+                reports.append(json.load(f))
+        else:
+            reports.append(None)
+    return reports
+
+
+def demo_outcome(root: str, reports: list[dict | None]) -> tuple[bool, dict, str]:
+    """After :func:`run_demo_processes` of (baseline, ``lazy`` uninterrupted, ``crashed``, its resume): whether the
+    resumed run did resume and ended bit for bit where the uninterrupted one did, the uninterrupted run's final
+    state, and the name of the checkpoint the resume started from."""
+    full = torch.load(os.path.join(root, "lazy-1.pt"), weights_only=True)
+    resumed = torch.load(os.path.join(root, "crashed-3.pt"), weights_only=True)
+    start = reports[3]["resumed_from"]
+    name = os.path.basename(start) if start else "none (the resumed run started from scratch)"
+    return same_state(full, resumed) and start is not None, full, name

@@ -20,8 +20,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -128,23 +126,10 @@ def train(args: argparse.Namespace) -> dict:
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f)
+    newest = lazyckpt.latest(args.dirpath) if not args.baseline else "-"
     print(f"done: step {report['global_step']}, {len(stalls)} checkpoints, median stall "
-          f"{_ms(stalls)}, newest committed {lazyckpt.latest(args.dirpath) if not args.baseline else '-'}")
+          f"{finetune_task.median_ms(stalls)}, newest committed {newest}")
     return report
-
-
-def _ms(values: list[float]) -> str:
-    return f"{1e3 * statistics.median(values):.0f} ms" if values else "n/a"
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -160,28 +145,19 @@ def demo(args: argparse.Namespace) -> int:
             ("lazyckpt, uninterrupted", "lazy", [], 0),
             (f"lazyckpt, hard crash at step {crash_at}", "crashed", ["--crash-at", crash_at], 17),
             ("lazyckpt, resumed from the newest committed checkpoint", "crashed", ["--resume"], 0)]
-    reports = {}
-    for i, (title, name, extra, expected_rc) in enumerate(runs):
-        print(f"[{i + 1}/{len(runs)}] {title}", flush=True)
-        out, report = os.path.join(root, f"{name}-{i}.pt"), os.path.join(root, f"{name}-{i}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--dirpath", os.path.join(root, name), *map(str, common),
-               *map(str, extra), "--out", out, "--report", report, "--quiet"]
-        rc = subprocess.run(cmd).returncode
-        if rc != expected_rc:
-            print(f"run {title!r} exited with {rc}, expected {expected_rc}")
-            return 1
-        reports[i] = json.load(open(report)) if os.path.exists(report) else None
-    full, resumed = torch.load(os.path.join(root, "lazy-1.pt")), torch.load(os.path.join(root, "crashed-3.pt"))
-    match = _same(full, resumed) and reports[3]["resumed_from"] is not None
+    reports = finetune_task.run_demo_processes(os.path.abspath(__file__), root, runs, dir_flag="--dirpath",
+                                               common=common, more=("--quiet",))
+    if reports is None:
+        return 1
+    match, _, resumed_from = finetune_task.demo_outcome(root, reports)
     lazy_stalls = reports[1]["stalls_s"] + reports[3]["stalls_s"]
     print("\n=== lazyckpt Lightning demo: summary ===")
     print(f"model: all-MiniLM-L6-v2 ({args.layers} of 6 layers) + head, {args.max_steps} steps, checkpoint every "
           f"{args.every_n_steps} steps; files under {root}")
     print(f"checkpoints committed: uninterrupted {len(reports[1]['stalls_s'])}, resumed run "
-          f"{len(reports[3]['stalls_s'])}; after the crash the newest committed was "
-          f"{os.path.basename(reports[3]['resumed_from'] or 'none (the resumed run started from scratch)')}")
-    print(f"median stall per checkpoint: lazyckpt {_ms(lazy_stalls)} vs ModelCheckpoint + torch.save "
-          f"{_ms(reports[0]['stalls_s'])}")
+          f"{len(reports[3]['stalls_s'])}; after the crash the newest committed was {resumed_from}")
+    print(f"median stall per checkpoint: lazyckpt {finetune_task.median_ms(lazy_stalls)} vs ModelCheckpoint + "
+          f"torch.save {finetune_task.median_ms(reports[0]['stalls_s'])}")
     print(f"validation accuracy at the end: {reports[1]['val_acc']:.3f} (uninterrupted), "
           f"{reports[3]['val_acc']:.3f} (resumed)")
     print(f"resumed run matches the uninterrupted run bit for bit: {'yes' if match else 'NO'}")

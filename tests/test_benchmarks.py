@@ -209,3 +209,78 @@ def test_tree_reads_runs_at_its_smallest_setting():
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "2000 tensors: json.loads" in proc.stdout and "checkpoint: load" in proc.stdout, proc.stdout
+
+
+# --- benchmarks/transformers_save.py: the Hugging Face Trainer's own save against LazyCheckpointCallback -------------
+
+
+@pytest.mark.slow
+def test_transformers_save_small_verifies_every_method_and_reports_the_ratio(tmp_path):
+    pytest.importorskip("transformers")
+    out, work = tmp_path / "hf.json", tmp_path / "work"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "transformers_save.py"), "--small", "--json", str(out),
+                           "--workdir", str(work)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        data = json.load(f)
+    methods = {m["key"]: m for m in data["methods"]}
+    assert list(methods) == ["none", "trainer_save", "lazyckpt"]
+    failed = {k: m["verify_problems"] for k, m in methods.items() if m["verified"] is not True}
+    assert not failed, failed
+    for key in ("trainer_save", "lazyckpt"):
+        assert methods[key]["stall_ms"]["median"] > 0 and methods[key]["ckpt_mb"]["median"] > 0, key
+    assert methods["lazyckpt"]["stall_ratio"]["n"] == 1 and methods["lazyckpt"]["callback_ms"]["median"] > 0
+    assert [t["target"] for t in data["targets"]["lazyckpt"]] == [
+        "stall <= 1/20 of the Trainer's own save", "the callback's time per save <= 1/20 of the Trainer's own save",
+        "quiet step <= 1.05x no checkpoint", "overhead per save below the Trainer's own save's"]
+    assert data["config"]["command"].startswith("python benchmarks/transformers_save.py --small")
+    assert "| LazyCheckpointCallback | yes |" in proc.stdout
+    assert os.listdir(work) == []
+
+
+def test_transformers_save_reports_a_checkpoint_that_differs_from_its_step_as_fail(tmp_path, monkeypatch):
+    """The state a checkpoint is compared with is that of its step: one changed value makes the run FAIL."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(BENCH)
+    import transformers_save
+    from workload import Workload
+
+    w = Workload(params_m=0.05, batch=1, seq=8, every=2, checkpoints=1, threads=1)
+    reference = transformers_save.run_one("none", w, str(tmp_path), -1, None)
+    assert transformers_save.run_one("lazyckpt", w, str(tmp_path), 0, reference)["verified"] is True
+    key = next(k for k in reference["at_step"] if k.startswith("model/"))
+    reference["at_step"][key].view(-1)[0] += 1
+    for method in ("trainer_save", "lazyckpt"):
+        result = transformers_save.run_one(method, w, str(tmp_path), 0, reference)
+        assert result["verified"] is False, method
+        assert result["verify_problems"] == [f"checkpoint-{w.verified_step}: {key}: 1 of "
+                                             f"{reference['at_step'][key].numel()} values differ from the state at "
+                                             "that step (torn or stale)"], method
+    assert os.listdir(tmp_path) == []  # every run removed its output_dir
+
+
+def test_transformers_save_ratios_pair_the_runs_of_one_repeat(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import transformers_save
+
+    def run(method, repeat, stall_s, quiet_s, e2e_s):
+        return {"method": method, "repeat": repeat, "verified": True, "verify_problems": [], "step_s": [quiet_s],
+                "quiet_step_s": [quiet_s], "e2e_s": e2e_s, "drain_s": 0.0, "stall_s": stall_s, "first_stall_s": 1.0,
+                "callback_s_per_save": 0.02 if method == "lazyckpt" else None, "durable_s": [], "ckpt_bytes": 1 << 20,
+                "measured_s": e2e_s, "saves": 2, "after_save_s": [quiet_s]}
+
+    runs = [run("none", 0, [], 1.0, 10.0), run("none", 1, [], 1.2, 12.0),
+            run("trainer_save", 0, [0.5, 0.7], 1.0, 14.0), run("trainer_save", 1, [1.0], 1.1, 16.0),
+            run("lazyckpt", 0, [0.01, 0.01], 1.05, 11.0), run("lazyckpt", 1, [0.1], 1.26, 11.0)]
+    entries = {e["key"]: e for e in transformers_save.aggregate(runs)}
+    assert entries["lazyckpt"]["stall_ratio"]["min"] == pytest.approx(10)  # repeat 1: 1.0 / 0.1
+    assert entries["lazyckpt"]["stall_ratio"]["max"] == pytest.approx(60)  # repeat 0: 0.6 / 0.01
+    assert entries["lazyckpt"]["quiet_step_x"]["max"] == pytest.approx(1.05)  # 1.05 / 1.0 and 1.26 / 1.2
+    assert entries["lazyckpt"]["quiet_step_x"]["min"] == pytest.approx(1.05)
+    assert entries["trainer_save"]["e2e_x"]["median"] == pytest.approx((14 / 10 + 16 / 12) / 2)
+    assert entries["lazyckpt"]["overhead_ms"]["median"] == pytest.approx(0)  # (11 - 10) / 2 and (11 - 12) / 2 s
+    assert entries["trainer_save"]["overhead_ms"]["median"] == pytest.approx(2000)
+    rows = transformers_save.targets(list(entries.values()))["lazyckpt"]
+    # 55 ms > 800 / 20 ms; 20 ms <= 40 ms; 1.05 <= 1.05; 0 < 2000 ms, further apart than the noise (500 ms)
+    assert [row["met"] for row in rows] == [False, True, True, True]
+    assert rows[3]["noise"] == pytest.approx(500)

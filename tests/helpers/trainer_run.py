@@ -161,6 +161,9 @@ def main() -> None:
     if trainer.is_world_process_zero():  # the tied output embedding is the input one: saved once
         save_file({k: v.contiguous() for k, v in trainer.model.state_dict().items()
                    if not k.endswith("lm_head.weight")}, a.weights)
+    if torch.distributed.is_initialized():  # under torchrun: a group left open may abort the process at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
