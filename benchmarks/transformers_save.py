@@ -28,7 +28,6 @@ import shutil
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +38,7 @@ from runner import Recorder, now, quiet_step_durations  # noqa: E402 - runner pi
 from workload import MiB, Workload, compare, fsync_tree, median, normalize, set_threads, tree_bytes  # noqa: E402
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import (GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainerCallback,  # noqa: E402
                           TrainingArguments)
@@ -382,6 +382,7 @@ def benchmark(args: argparse.Namespace, w: Workload, root: str, started: float) 
                 f"(load {result['loadavg'][0]:.1f})")
     entries = aggregate(runs)
     config = {**w.describe(), "model": "GPT2LMHeadModel (GPT2Config, untied head)", "parameters": n_params,
+              "transformers": transformers.__version__,
               "optim": arguments(w, root, save=False).optim, "save_total_limit": args.save_total_limit,
               "repeats": args.repeats, "threads": w.threads,
               "small": args.small, **run_facts(started, "transformers_save.py")}
