@@ -95,7 +95,7 @@ def test_the_free_space_estimate_covers_sharded_tables_and_the_global_index():
     tables = {}
     for rank in range(world_size):
         boxes = {e.key: Box((rows, 8), (rank * (rows // world_size), 0)) for e in entries}
-        doc = rank_manifest_doc(step=1, rank=rank, world_size=world_size, file="f", tree={}, header=b"",
+        doc = rank_manifest_doc(step=1, rank=rank, world_size=world_size, file="f", tree={}, header=b"", aliases={},
                                 entries=entries, checksums={e.key: ["0" * 16] * 8 for e in entries}, boxes=boxes)
         tables[rank] = doc["tensors"]
     written = len(json.dumps(tables[world_size - 1], separators=(",", ":"))) + len(
