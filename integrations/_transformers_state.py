@@ -141,12 +141,10 @@ def write_trainer_files(storage: Storage, step_dir: str, *, trainer_state: str, 
     """The files that make a committed step directory a checkpoint the Trainer's own loader accepts (a PEFT
     model's adapter files too); written by rank 0 after the commit, before the step's name (``checkpoint-N``)
     exists. The format ignores them."""
-    manifest = json.loads(storage.read_bytes(os.path.join(step_dir, "manifest.json"), max_bytes=1 << 30))
-    world_size = int(manifest["world_size"])
-    tensors = manifest.get("tensors", {})
-    rank0 = json.loads(storage.read_bytes(os.path.join(step_dir, manifest["ranks"][0]), max_bytes=1 << 30))
-    stored_as = {key: rank0.get("aliases", {}).get(key, key) for key in model_keys}  # a tied weight: stored once
-    weight_map = {key: rank_file(tensors[source]["boxes"][0]["rank"], world_size)
+    reader = CheckpointReader(step_dir, storage)
+    tensors, aliases = reader.top.get("tensors", {}), reader.aliases(0)
+    stored_as = {key: aliases.get(key, key) for key in model_keys}  # a tied weight: stored once
+    weight_map = {key: rank_file(tensors[source]["boxes"][0]["rank"], reader.world_size)
                   for key, source in stored_as.items() if source in tensors}
     index = {"metadata": {"format": FORMAT, "note": "the tensors are those of lazyckpt's rank files; the "
                           "optimizer, scheduler and RNG states are restored by LazyCheckpointCallback"},
@@ -156,19 +154,19 @@ def write_trainer_files(storage: Storage, step_dir: str, *, trainer_state: str, 
     if config_json is not None:
         storage.write_atomic(os.path.join(step_dir, "config.json"), config_json.encode(), sync=True)
     if adapter is not None:
-        write_adapter_files(storage, step_dir, adapter)
+        write_adapter_files(reader, adapter)
 
 
-def write_adapter_files(storage: Storage, step_dir: str, adapter: dict[str, Any]) -> None:
+def write_adapter_files(reader: CheckpointReader, adapter: dict[str, Any]) -> None:
     """``adapter_model.safetensors`` and ``adapter_config.json`` of :func:`adapter_layout`, the weights read from
     the committed step's own files (their checksums checked): the live parameters have moved on since the save
     was requested."""
     pairs = [(str(file_key), str(key)) for file_key, key in adapter["weights"]]
-    with ShardFiles(CheckpointReader(step_dir, storage), verify=True) as files:
+    with ShardFiles(reader, verify=True) as files:
         stored = files.consolidate([key for _, key in pairs])
     weights = safetensors.torch.save({file_key: stored[key] for file_key, key in pairs}, metadata={"format": "pt"})
-    storage.write_atomic(os.path.join(step_dir, ADAPTER_WEIGHTS), weights, sync=True)
-    storage.write_atomic(os.path.join(step_dir, ADAPTER_CONFIG), str(adapter["config"]).encode(), sync=True)
+    reader.storage.write_atomic(os.path.join(reader.path, ADAPTER_WEIGHTS), weights, sync=True)
+    reader.storage.write_atomic(os.path.join(reader.path, ADAPTER_CONFIG), str(adapter["config"]).encode(), sync=True)
 
 
 def config_json(model: Any) -> str | None:

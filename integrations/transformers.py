@@ -69,6 +69,7 @@ class LazyCheckpointCallback(TrainerCallback):
         self._epoch_ended = False
         self._in_flow = False
         self._rotation_due = False
+        self._model_files: tuple[list[str], str | None] | None = None
 
     # --- the run --------------------------------------------------------------------------------------------
 
@@ -90,6 +91,8 @@ class LazyCheckpointCallback(TrainerCallback):
         self._objects = {key: kwargs.get(key) for key in ("model", "optimizer", "lr_scheduler")}
         self._model_only = bool(args.save_only_model)
         self._adapter = trainer_state.adapter_layout(self._objects["model"])
+        model = self._objects["model"]  # its keys and config.json are the same at every commit: made once
+        self._model_files = None if model is None else (sorted(model.state_dict()), trainer_state.config_json(model))
         self._names_dir = normalize_dirpath(args.output_dir)
         dirpath = self.dirpath or os.path.join(self._names_dir, "lazyckpt")
         self.session = CheckpointSession(dirpath, self.options, rank=args.process_index,
@@ -243,13 +246,13 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def _write_trainer_files(self, step: int) -> None:
         at_save = self._at_save.pop(step, None)  # committed: its Deferred leaves were read at its barrier
-        model = self._objects.get("model")
-        if at_save is None or model is None:
+        if at_save is None or self._model_files is None:
             return
+        model_keys, config_json = self._model_files
         trainer_state.write_trainer_files(
             self.session.storage, os.path.join(self.session.dirpath, step_dirname(step)),
-            trainer_state=at_save.trainer_state, model_keys=sorted(model.state_dict()),
-            config_json=trainer_state.config_json(model), adapter=self._adapter)
+            trainer_state=at_save.trainer_state, model_keys=model_keys, config_json=config_json,
+            adapter=self._adapter)
 
     # --- resume ---------------------------------------------------------------------------------------------
 
