@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import FORMATS, export
@@ -38,7 +38,7 @@ from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
-from lazyckpt.storage.urls import is_url, join
+from lazyckpt.storage.urls import is_url, join, reaching
 from lazyckpt.tree.decode import unflatten
 
 PROGRESS_MIN_BYTES = 256 << 20
@@ -348,10 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, storage: Storage | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if storage is None:
-        storage = _storage_for(args)
-    cli = _Cli(storage, Console(), Console(stderr=True))
-    return args.fn(cli, args)
+    out, err = Console(), Console(stderr=True)
+    name, first_url = _first_url(args)
+    try:
+        with reaching(name, first_url or "", args.storage_options):  # botocore's errors: one line naming the URL
+            cli = _Cli(storage if storage is not None else _storage_for(args), out, err)
+            return args.fn(cli, args)
+    except RemoteUnreachableError as e:
+        _Cli(LocalStorage(), out, err).problem(str(e))
+        return 1
+
+
+def _first_url(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The first checkpoint argument that is a URL, and its name (for the message when it cannot be reached)."""
+    named = [(name, getattr(args, name)) for name in ("dirpath", "path") if hasattr(args, name)]
+    named += [("path", path) for path in getattr(args, "paths", [])]
+    return next(((name, path) for name, path in named if is_url(path)), ("path", None))
 
 
 def _storage_for(args: argparse.Namespace) -> Storage:

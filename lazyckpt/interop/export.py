@@ -22,16 +22,14 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError
+from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
 from lazyckpt.interop.transformers_format import trainer_checkpoint
 from lazyckpt.read.load import check_committed, load
 from lazyckpt.storage import FileKind, LocalStorage, Storage
-from lazyckpt.storage.urls import is_url, storage_for, unreachable
+from lazyckpt.storage.urls import is_url, reaching, storage_for
 
 FORMATS = ("lightning", "safetensors", "transformers")
-LAZYCKPT_ERRORS = (CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError)
-"""lazyckpt's own errors (CheckpointCorruptError is a CheckpointFormatError): raised as they are."""
 MODEL_KEYS = ("state_dict", "model")
 """Where the weights are looked for when no key is given: Lightning's layout, then the plain-PyTorch habit."""
 
@@ -69,7 +67,7 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
     if format == "transformers" and (key is not None or strip_prefix is not None):
         raise ValueError(f"key={key!r} and strip_prefix={strip_prefix!r} apply to format='safetensors'; a "
                          "transformers export takes the model's own state_dict() names: drop them")
-    try:
+    with reaching("path", path, storage_options):
         source, reading = storage_for(path, storage, storage_options)
         chosen = "" if format == "lightning" else f" --format {format}"
         check_committed(source, reading, advice=f"export that step: lazyckpt export <that step> "
@@ -80,10 +78,6 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
             return export_safetensors(source, out_file, key=key, strip_prefix=strip_prefix, dedupe=dedupe,
                                       storage=reading)
         return export_lightning(source, out_file, storage=reading)
-    except Exception as e:
-        if not is_url(os.fspath(path)) or isinstance(e, (ValueError, *LAZYCKPT_ERRORS)):
-            raise
-        raise unreachable("path", os.fspath(path), storage_options, e) from e
 
 
 def export_lightning(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, verify: bool = True,

@@ -26,10 +26,11 @@ from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
 from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
-from lazyckpt.storage.urls import storage_for
+from lazyckpt.storage.urls import reads_url, storage_for
 from lazyckpt.tree.decode import unflatten, with_aliases
 
 
+@reads_url("dirpath")
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
            storage_options: dict[str, Any] | None = None) -> str | None:
     """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none."""
@@ -37,12 +38,14 @@ def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
     return newest_committed(storage if storage is not None else LocalStorage(), path)
 
 
+@reads_url("path")
 def checkpoint_step(path: str | os.PathLike[str], *, storage: Storage | None = None,
                     storage_options: dict[str, Any] | None = None) -> int:
     """The step a committed checkpoint directory (or URL) holds."""
     return CheckpointReader(*storage_for(path, storage, storage_options)).top["step"]
 
 
+@reads_url("path")
 def load(path: str | os.PathLike[str], *, map_location: str | torch.device | None = None, verify: bool = True,
          rank: int | None = None, storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """Load the state saved in a committed checkpoint directory.
@@ -88,6 +91,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device | Non
         opened.close()
 
 
+@reads_url("path")
 def verify(path: str | os.PathLike[str], *, storage: Storage | None = None, progress: Progress | None = None,
            storage_options: dict[str, Any] | None = None) -> None:
     """Run every check :func:`load` runs, on every rank, without keeping the tensors; raises on the first problem.

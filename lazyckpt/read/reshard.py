@@ -24,7 +24,7 @@ from lazyckpt.ranks.sharding import is_dtensor, local_block
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import Storage
-from lazyckpt.storage.urls import storage_for
+from lazyckpt.storage.urls import reads_url, storage_for
 from lazyckpt.tree.decode import aliases_in, drop_per_rank, tensor_keys, unflatten, with_aliases
 from lazyckpt.tree.encode import flatten
 
@@ -40,6 +40,7 @@ def target_block(key: str, target: torch.Tensor, global_shape: list[int]) -> tup
     return target, (0,) * target.dim()
 
 
+@reads_url("path")
 def load_into(path: str | os.PathLike[str], state: Any, *, verify: bool = True, rank: int | None = None,
               storage: Storage | None = None, storage_options: dict[str, Any] | None = None) -> Any:
     """Fill the tensors of ``state`` in place from a checkpoint, resharding to this run's layout.

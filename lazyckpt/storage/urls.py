@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import re
 import tempfile
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 from lazyckpt.errors import RemoteUnreachableError
 from lazyckpt.storage.base import Storage
@@ -43,6 +45,40 @@ def unreachable(name: str, url: str, storage_options: dict[str, Any] | None,
         f"{name}={url!r} is not reachable with storage_options={shown!r}: {type(error).__name__}: {error}. Check the "
         "URL, the credentials and storage_options (for S3: endpoint_url, key, secret; an option the file system "
         "does not know is refused), and that the bucket or directory exists")
+
+
+_OWN_ERRORS = (ValueError, OSError)
+"""Errors that already say what is wrong, which pass :func:`reaching` as they are: bad arguments and lazyckpt's
+format errors (ValueErrors), and the file system's own answers (a missing object, access denied; lazyckpt's
+CheckpointNotFoundError and RemoteUnreachableError are OSErrors too)."""
+
+
+@contextlib.contextmanager
+def reaching(name: str, path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Iterator[None]:
+    """Inside: when ``path`` is a URL, a failure of the file system behind it (botocore's connection errors, an
+    option the file system does not take) becomes :func:`unreachable`'s one error naming ``name=path``; local
+    paths and lazyckpt's own errors are left as they are."""
+    try:
+        yield
+    except Exception as e:
+        if not is_url(os.fspath(path)) or isinstance(e, _OWN_ERRORS):
+            raise
+        raise unreachable(name, os.fspath(path), storage_options, e) from e
+
+
+Reader = TypeVar("Reader", bound=Callable[..., Any])
+
+
+def reads_url(name: str) -> Callable[[Reader], Reader]:
+    """A reading function ``fn(path, ..., storage_options=None)`` run under :func:`reaching` (``name``: what its
+    first argument is called, for the message)."""
+    def decorate(fn: Reader) -> Reader:
+        @functools.wraps(fn)
+        def read(path: Any, *args: Any, **kwargs: Any) -> Any:
+            with reaching(name, path, kwargs.get("storage_options")):
+                return fn(path, *args, **kwargs)
+        return read  # type: ignore[return-value]
+    return decorate
 
 
 def options_for(path: object, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
