@@ -182,7 +182,13 @@ def advance(buffers: list[memoryview], count: int) -> list[memoryview]:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
+    fsync_path(path or ".")
+
+
+def fsync_path(path: str) -> None:
+    """Make a file's bytes (or a directory's entries) durable, opened read-only: for files written by others
+    (a download), whose descriptor is gone."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

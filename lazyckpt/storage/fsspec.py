@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lazyckpt.storage._direct import pwrite_all
+from lazyckpt.storage._direct import fsync_path, pwrite_all
 from lazyckpt.storage.base import Buffer, FileInfo, FileKind
 
 PART_BYTES = 64 << 20
@@ -91,8 +91,10 @@ class FsspecStorage:
         self.fs.put_file(local_path, self._path(path), **kwargs)
 
     def download_file(self, path: str, local_path: str) -> None:
-        """Stream the object ``path`` into the local file ``local_path``."""
+        """Stream the object ``path`` into the local file ``local_path``, durable when this returns (a fetched
+        checkpoint is committed locally by a rename: its files must be on disk before it)."""
         self.fs.get_file(self._path(path), local_path)
+        fsync_path(local_path)
 
     def _make_parent(self, path: str) -> None:
         if self.protocol in ("file", "local", "memory"):  # object stores have no directories to create

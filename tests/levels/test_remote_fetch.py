@@ -69,3 +69,22 @@ def test_a_step_pruned_mid_fetch_is_lazyckpt_s_error_naming_the_object(tmp_path,
     with pytest.raises(lazyckpt.CheckpointNotFoundError, match=rf"{steps[1]}/\S+ vanished during the fetch.*again"):
         newest_on_this_node(str(tmp_path / "node-b"), url, options, storage=_PrunedMidFetch(url, options))
     assert lazyckpt.latest(str(tmp_path / "node-b")) is None
+
+
+def test_a_fetched_step_is_durable_before_its_rename_commits_it(tmp_path, s3_remote, monkeypatch):
+    """Each fetched file, then the copy's directory, is fsynced before the rename that makes it a committed local
+    checkpoint (the files were never synced: a power loss after the rename could leave a committed step torn)."""
+    url, options = s3_remote
+    steps = _uploaded(tmp_path, url, options, (1,))
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda src, dst: (events.append(("rename", os.fspath(src))),
+                                                        real_rename(src, dst))[1])
+    resumed = newest_on_this_node(str(tmp_path / "node-b"), url, options)
+    assert resumed == str(tmp_path / "node-b" / "step-0000001") and steps[1].endswith("step-0000001")
+    commit = events.index(("rename", str(tmp_path / "node-b" / "step-0000001.partial" / "step-0000001")))
+    synced = {path for kind, path in events[:commit] if kind == "fsync"}
+    copy = str(tmp_path / "node-b" / "step-0000001.partial" / "step-0000001")
+    assert {os.path.join(copy, name) for name in os.listdir(resumed)} | {copy} <= synced, (synced, events)

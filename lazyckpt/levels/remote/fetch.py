@@ -117,6 +117,7 @@ def fetch_step(step_url: str, storage_options: dict[str, Any] | None, dirpath: s
         for member in _members(remote, step_url):
             _download(remote, join(step_url, member), os.path.join(copy, member))
         _verify_copy(copy, step_url)
+        local.sync_dir(copy)  # its entries, before the rename commits it (each file was synced as it arrived)
         local.rename(copy, final, sync=True)
     finally:
         local.remove_tree(partial)
