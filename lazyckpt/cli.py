@@ -38,6 +38,7 @@ from lazyckpt.levels.aliases import alias_step
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
+from lazyckpt.storage.metered import MeteredReads
 from lazyckpt.storage.urls import is_url, join, reaching
 from lazyckpt.tree.decode import unflatten
 
@@ -54,15 +55,14 @@ class _Cli:
     def problem(self, message: str) -> None:
         self.err.print(Text(f"lazyckpt: {message}", style="red"), soft_wrap=True)
 
-    def _working(self, what: str, nbytes: int) -> Any:
-        """For a long step without a byte count (export), from ``PROGRESS_MIN_BYTES`` on: a spinner on a
-        terminal, one line in a log."""
-        if nbytes < PROGRESS_MIN_BYTES:
-            return contextlib.nullcontext()
-        if self.err.is_terminal:
-            return self.err.status(what)
-        self.err.print(what, style="dim", soft_wrap=True)
-        return contextlib.nullcontext()
+    def _bar(self, description: str, nbytes: int) -> Progress:
+        """A bar of bytes for a long read (``verify``, ``export``), from ``PROGRESS_MIN_BYTES`` on: drawn on a
+        terminal, one line in a log (where a bar is not drawn)."""
+        if nbytes >= PROGRESS_MIN_BYTES and not self.err.is_terminal:
+            self.err.print(f"{description}: {human_size(nbytes)} of tensors", style="dim", soft_wrap=True)
+        return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True,
+                        disable=nbytes < PROGRESS_MIN_BYTES)
 
     def _tensor_bytes_of(self, path: str) -> int:
         """The tensor files' bytes of a step directory (0 when they cannot be told: the reader will say why)."""
@@ -177,9 +177,7 @@ class _Cli:
             self.problem(str(e))
             return 1
         total, problems, checked = _tensor_bytes(reader), 0, 0
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True,
-                      disable=total < PROGRESS_MIN_BYTES) as bar:
+        with self._bar(f"verifying {os.path.basename(reader.path)}", total) as bar:
             task = bar.add_task(f"verifying {os.path.basename(reader.path)}", total=total)
             for rank in range(reader.world_size):
                 try:
@@ -202,12 +200,13 @@ class _Cli:
 
     def export(self, args: argparse.Namespace) -> int:
         try:
-            source = {"storage_options": args.storage_options} if is_url(args.path) else {"storage": self.storage}
             nbytes = self._tensor_bytes_of(args.path)
-            with self._working(f"exporting {args.path} ({human_size(nbytes)} of tensors): reading and checking "
-                               f"every checksum, then writing {args.out}", nbytes):
+            what = f"exporting {args.path} to {args.out}, reading and checking every checksum"
+            with self._bar(what, nbytes) as bar:
+                task = bar.add_task(what, total=nbytes)
                 out = export(args.path, args.out, format=args.format, key=args.key, strip_prefix=args.strip_prefix,
-                             dedupe=not args.keep_duplicates, **source)
+                             dedupe=not args.keep_duplicates,
+                             storage=MeteredReads(self.storage, on_bytes=lambda n: bar.advance(task, n)))
         except PROBLEMS as e:
             self.problem(str(e))
             return 1

@@ -170,7 +170,21 @@ def test_export_says_what_it_is_doing_before_the_long_read(dirpath, tmp_path, ca
     code, out, err = run(capsys, "export", dirpath / "step-0000020", tmp_path / "m.safetensors", "--format",
                          "safetensors")
     assert code == 0, err
-    assert f"exporting {dirpath / 'step-0000020'} (" in err and "of tensors): reading and checking every checksum" in err
+    assert f"exporting {dirpath / 'step-0000020'} to {tmp_path / 'm.safetensors'}, reading and checking every " \
+           "checksum: " in err and "of tensors" in err
+
+
+def test_exports_progress_counts_every_tensor_byte_it_reads(dirpath, tmp_path):
+    """The bar of `lazyckpt export` advances by the bytes the export reads (it was a spinner, no bytes)."""
+    from lazyckpt.storage import LocalStorage
+    from lazyckpt.storage.metered import MeteredReads
+
+    counted = []
+    step = dirpath / "step-0000020"
+    lazyckpt.export(step, tmp_path / "m.safetensors", format="safetensors",
+                    storage=MeteredReads(LocalStorage(), on_bytes=counted.append))
+    tensor_file_bytes = sum(os.path.getsize(step / name) for name in os.listdir(step) if name.endswith(".safetensors"))
+    assert sum(counted) >= tensor_file_bytes > 0 and len(counted) > 1
 
 
 def test_the_export_function_is_part_of_the_package(dirpath, tmp_path):

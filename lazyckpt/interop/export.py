@@ -67,7 +67,7 @@ def export(path: str | os.PathLike[str], out_file: str | os.PathLike[str], *, fo
     if format == "transformers" and (key is not None or strip_prefix is not None):
         raise ValueError(f"key={key!r} and strip_prefix={strip_prefix!r} apply to format='safetensors'; a "
                          "transformers export takes the model's own state_dict() names: drop them")
-    with reaching("path", path, storage_options):
+    with reaching("path", path, storage_options, storage=storage):
         source, reading = storage_for(path, storage, storage_options)
         chosen = "" if format == "lightning" else f" --format {format}"
         check_committed(source, reading, advice=f"export that step: lazyckpt export <that step> "

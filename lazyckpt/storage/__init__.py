@@ -7,6 +7,7 @@
 | ``_direct`` | the ``O_DIRECT`` tensor file writer behind ``LocalStorage`` (aligned buffers in place, two bounce buffers) |
 | ``fsspec`` | :class:`~lazyckpt.storage.fsspec.FsspecStorage`: object stores and other fsspec file systems, by URL |
 | ``in_memory`` | :class:`~lazyckpt.storage.in_memory.MemoryStorage`: a file system in memory, for tests and fault injection |
+| ``metered`` | :class:`~lazyckpt.storage.metered.MeteredReads`: a storage whose reads report their bytes (export's progress bar) |
 | ``urls`` | telling URLs from paths, and the storage to read a path or URL through |
 """
 

@@ -54,14 +54,16 @@ CheckpointNotFoundError and RemoteUnreachableError are OSErrors too)."""
 
 
 @contextlib.contextmanager
-def reaching(name: str, path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Iterator[None]:
-    """Inside: when ``path`` is a URL, a failure of the file system behind it (botocore's connection errors, an
-    option the file system does not take) becomes :func:`unreachable`'s one error naming ``name=path``; local
-    paths and lazyckpt's own errors are left as they are."""
+def reaching(name: str, path: str | os.PathLike[str], storage_options: dict[str, Any] | None, *,
+             storage: Storage | None = None) -> Iterator[None]:
+    """Inside: when ``path`` is a URL read through a storage made from it and ``storage_options`` (no ``storage``
+    given: a caller's own storage reports its own errors), a failure of the file system behind it (botocore's
+    connection errors, an option the file system does not take) becomes :func:`unreachable`'s one error naming
+    ``name=path``; local paths and lazyckpt's own errors are left as they are."""
     try:
         yield
     except Exception as e:
-        if not is_url(os.fspath(path)) or isinstance(e, _OWN_ERRORS):
+        if storage is not None or not is_url(os.fspath(path)) or isinstance(e, _OWN_ERRORS):
             raise
         raise unreachable(name, os.fspath(path), storage_options, e) from e
 
@@ -70,12 +72,12 @@ Reader = TypeVar("Reader", bound=Callable[..., Any])
 
 
 def reads_url(name: str) -> Callable[[Reader], Reader]:
-    """A reading function ``fn(path, ..., storage_options=None)`` run under :func:`reaching` (``name``: what its
-    first argument is called, for the message)."""
+    """A reading function ``fn(path, ..., storage=None, storage_options=None)`` run under :func:`reaching`
+    (``name``: what its first argument is called, for the message)."""
     def decorate(fn: Reader) -> Reader:
         @functools.wraps(fn)
         def read(path: Any, *args: Any, **kwargs: Any) -> Any:
-            with reaching(name, path, kwargs.get("storage_options")):
+            with reaching(name, path, kwargs.get("storage_options"), storage=kwargs.get("storage")):
                 return fn(path, *args, **kwargs)
         return read  # type: ignore[return-value]
     return decorate
