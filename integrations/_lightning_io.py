@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lazyckpt._version import __version__
+from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import export_lightning as export_checkpoint
 from lazyckpt.interop.lightning_format import EXTRA_KEY, lightning_checkpoint_bytes, to_lightning_checkpoint
 from lazyckpt.pending import PendingCheckpoint
@@ -43,9 +44,19 @@ URL_PREFIX = "lazyckpt://"
 
 
 # ------------------------------------------------------------------------------------------ reading
+DCP_METADATA = ".metadata"
+"""The file ``torch.distributed.checkpoint`` writes last into a checkpoint directory (a sharded ModelCheckpoint's)."""
+
+
 def is_lazyckpt_path(path: str | os.PathLike[str]) -> bool:
-    """True for a directory (or an alias symlink to one); lazyckpt checkpoints are directories."""
-    return kind_of(LocalStorage(), os.fspath(path)) is FileKind.DIR
+    """True for a directory (or an alias symlink to one): lazyckpt checkpoints are directories. Not for the DCP
+    directory of a sharded ``ModelCheckpoint`` save (its ``.metadata`` file and no lazyckpt manifest), which the
+    strategy's own loader reads."""
+    storage, name = LocalStorage(), os.fspath(path)
+    if kind_of(storage, name) is not FileKind.DIR:
+        return False
+    dcp = storage.stat(os.path.join(name, DCP_METADATA)) is not None
+    return not dcp or storage.stat(os.path.join(name, MANIFEST)) is not None
 
 
 def local_path(url: str | os.PathLike[str]) -> str:
@@ -112,14 +123,20 @@ def route_sharded_loads(strategy: Any) -> None:
 
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = local_path(strategy.broadcast(checkpoint_path))
-        if not is_lazyckpt_path(path):
-            return own(checkpoint_path, weights_only=weights_only)
+        if not is_lazyckpt_path(path):  # e.g. ModelCheckpoint's DCP directory: a switching callback adopts its state
+            return adopt_callback_states(own(checkpoint_path, weights_only=weights_only), _state_keys(strategy))
         return restore_sharded(check_committed(path), strategy.model, strategy.optimizers,
                                model_key="state_dict", optimizers_key="optimizer_states", run_keys=(EXTRA_KEY,),
                                rank=strategy.global_rank, world_size=strategy.world_size)
 
     strategy.load_checkpoint = load_checkpoint
     _ROUTED.add(strategy)
+
+
+def _state_keys(strategy: Any) -> set[str] | None:
+    """The state keys of the callbacks of the trainer ``strategy`` runs (None: no trainer yet)."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    return None if trainer is None else {cb.state_key for cb in trainer.callbacks}
 
 
 def request_snapshot(callback: Any, step: int) -> PendingCheckpoint | None:

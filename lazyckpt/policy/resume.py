@@ -64,20 +64,36 @@ def run_directory(dirpath: str, resumed_from: str | None, *, taken: Iterable[str
 
 def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Storage | None = None) -> str | None:
     """The newest of ``dirpath``'s newest committed lazyckpt checkpoint (its own or a run directory's: the newest
-    commit) and the plain checkpoint files in
-    ``others`` (names that are links, e.g. lazyckpt's own ``last.ckpt``, are skipped: they point at step
-    directories already counted). A lazyckpt checkpoint's time is its commit (its manifest), a file's its
-    modification time. ``None`` when there is neither."""
+    commit) and the other tool's checkpoints in ``others`` (files, or directories of a sharded save; names that are
+    links, e.g. lazyckpt's own ``last.ckpt``, are skipped: they point at step directories already counted). A
+    lazyckpt checkpoint's time is its commit (its manifest), another's when it was written (:func:`_written_at`).
+    ``None`` when there is neither."""
     storage = storage if storage is not None else LocalStorage()
     times: dict[str, float] = {}
     for newest in filter(None, (latest(d, storage=storage) for d in run_dirs(dirpath, storage))):
         info = storage.stat(os.path.join(newest, MANIFEST))
         times[newest] = info.mtime if info is not None else float("-inf")
     for path in others:
-        info = storage.stat(path)
-        if info is not None and info.kind is FileKind.FILE:
-            times[path] = info.mtime
+        written = _written_at(storage, path)
+        if written is not None:
+            times[path] = written
     return max(times, key=times.__getitem__) if times else None
+
+
+def _written_at(storage: Storage, path: str) -> float | None:
+    """When another tool's checkpoint at ``path`` was written: a file's modification time, or for a directory
+    (a sharded ``ModelCheckpoint``'s DCP folder, ``last.ckpt/``) its newest file's; None for a link (it names a
+    step directory counted already), a lazyckpt step directory, or nothing."""
+    info = storage.stat(path)
+    if info is None or info.kind is FileKind.LINK:
+        return None
+    if info.kind is FileKind.FILE:
+        return info.mtime
+    if info.kind is not FileKind.DIR or storage.stat(os.path.join(path, MANIFEST)) is not None:
+        return None
+    files = [f for f in (storage.stat(os.path.join(path, name)) for name in storage.list_dir(path))
+             if f is not None and f.kind is FileKind.FILE]
+    return max((f.mtime for f in files), default=None)
 
 
 def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] = ()) -> str | None:

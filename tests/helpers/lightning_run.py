@@ -159,6 +159,32 @@ def make_state_at_start_callback(pl, out: str):
     return StateAtStart()
 
 
+def make_top_k_report_callback(pl, out: str):
+    class TopKReport(pl.Callback):
+        """Write (rank 0) the checkpoint callback's top-k state as restored (at the start of training) and at the
+        end, as JSON to ``out``: {"restored": ..., "final": ...}, each {score, path, best_k}."""
+
+        def __init__(self):
+            self.report = {}
+
+        def _top_k(self, trainer):
+            checkpoint = next(c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelCheckpoint))
+            score = checkpoint.best_model_score
+            return {"score": None if score is None else float(score), "path": checkpoint.best_model_path,
+                    "best_k": {k: float(v) for k, v in checkpoint.best_k_models.items()}}
+
+        def on_train_start(self, trainer, pl_module):
+            self.report["restored"] = self._top_k(trainer)
+
+        def on_train_end(self, trainer, pl_module):
+            self.report["final"] = self._top_k(trainer)
+            if trainer.is_global_zero:
+                with open(out, "w") as f:
+                    json.dump(self.report, f)
+
+    return TopKReport()
+
+
 def final_state(model, trainer) -> dict:
     """The full model and optimizer state (collective under ModelParallelStrategy: every rank calls it)."""
     if getattr(model, "device_mesh", None) is not None:
@@ -175,14 +201,19 @@ def final_state(model, trainer) -> dict:
 def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: int = -1, crash_at: int | None = None,
         resume: str | None = None, devices: int = 1, strategy: str = "ddp", seed: int = 0,
         callback_kwargs: dict | None = None, out_at_start: str | None = None,
-        trainer_kwargs: dict | None = None, model_kwargs: dict | None = None):
-    """Train ``TinyModel`` with a ``LazyCheckpoint``; returns ``(trainer, model, callback)``."""
+        trainer_kwargs: dict | None = None, model_kwargs: dict | None = None, model_checkpoint: bool = False,
+        top_k_report: str | None = None):
+    """Train ``TinyModel`` with a ``LazyCheckpoint`` (``model_checkpoint``: Lightning's ``ModelCheckpoint`` and the
+    ``LazyCheckpointIO`` plugin instead); returns ``(trainer, model, callback)``."""
     pl, lazy_checkpoint = namespace(ns)
     pl.seed_everything(seed, verbose=False)
     model = make_module_class(pl)(**(model_kwargs or {}))
-    callback = lazy_checkpoint(dirpath, **(callback_kwargs or {}))
+    callback = (pl.callbacks.ModelCheckpoint if model_checkpoint else lazy_checkpoint)(dirpath, **(callback_kwargs or {}))
     callbacks = [callback] + ([make_crash_callback(pl, crash_at)] if crash_at is not None else [])
     callbacks += [make_state_at_start_callback(pl, out_at_start)] if out_at_start is not None else []
+    callbacks += [make_top_k_report_callback(pl, top_k_report)] if top_k_report is not None else []
+    if model_checkpoint:
+        trainer_kwargs = {"plugins": [importlib.import_module("lazyckpt").LazyCheckpointIO()], **(trainer_kwargs or {})}
     kwargs = dict(max_epochs=max_epochs, max_steps=max_steps, callbacks=callbacks, logger=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                   accelerator="cpu", devices=devices, strategy=_strategy(pl, strategy, devices))
@@ -216,8 +247,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-in-memory", action="store_true")
     parser.add_argument("--remote", help="the remote level's URL")
     parser.add_argument("--storage-options", type=json.loads, help="its fsspec storage_options, as JSON")
+    parser.add_argument("--model-checkpoint", action="store_true",
+                        help="Lightning's ModelCheckpoint (and the LazyCheckpointIO plugin) instead of LazyCheckpoint")
+    parser.add_argument("--top-k-report", help="monitor val_loss, save_top_k=1, and write the top-k state here")
     args = parser.parse_args(argv)
-    cb_kwargs = {"save_top_k": -1, "save_last": True, "keep_in_memory": args.keep_in_memory}
+    cb_kwargs = {"save_top_k": -1, "save_last": True}
+    if not args.model_checkpoint:
+        cb_kwargs["keep_in_memory"] = args.keep_in_memory
+    if args.top_k_report:
+        cb_kwargs.update(monitor="val_loss", save_top_k=1)
     if args.remote:
         cb_kwargs.update(remote=args.remote, storage_options=args.storage_options)
     if args.every_n_train_steps:
@@ -226,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
                             model_kwargs={"stateful_loader": args.stateful_loader,
                                           "batch_norm": args.strategy != "tensor_parallel"},
-                            out_at_start=args.out_at_start)
+                            out_at_start=args.out_at_start, model_checkpoint=args.model_checkpoint,
+                            top_k_report=args.top_k_report)
     state = final_state(model, trainer) if args.out else None
     if args.out and trainer.is_global_zero:
         torch.save(state, args.out)

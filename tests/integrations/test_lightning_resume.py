@@ -8,6 +8,7 @@ without sleeping or polling.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -153,3 +154,19 @@ def test_model_parallel_resumes_on_another_number_of_devices_resharded_bit_exact
     newest = lazyckpt.latest(tmp_path)
     assert newest.endswith("step-0000007" if devices == 3 else "step-0000012")  # it trained on, and saved
     assert len([n for n in os.listdir(newest) if n.endswith(".safetensors")]) == devices
+
+
+def test_model_parallel_switching_from_model_checkpoint_keeps_its_top_k_state(tmp_path):
+    """Under ModelParallelStrategy the strategy loads a ModelCheckpoint's (DCP) checkpoint itself, past the
+    CheckpointIO that hands a switching callback the state of the same options: LazyCheckpoint found none (no best
+    score, two top-k files kept with save_top_k=1). It gets ModelCheckpoint's state there too."""
+    args = ("--devices", 2, "--strategy", "model_parallel")
+    first = tmp_path / "first.json"
+    _train(tmp_path / "ckpt", *args, "--max-epochs", 2, "--model-checkpoint", "--top-k-report", first)
+    then = tmp_path / "then.json"
+    _train(tmp_path / "ckpt", *args, "--max-epochs", 4, "--resume", "last", "--top-k-report", then)
+    earlier, later = json.loads(first.read_text())["final"], json.loads(then.read_text())
+    assert later["restored"] == earlier, "ModelCheckpoint's best score, path and top-k, restored into LazyCheckpoint"
+    kept = {n for n in os.listdir(tmp_path / "ckpt") if n.endswith(".ckpt") and not n.startswith("last")}
+    assert kept == {os.path.basename(later["final"]["path"])}, "save_top_k=1 keeps one top-k name"
+    assert later["final"]["score"] <= earlier["score"]
