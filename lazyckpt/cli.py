@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
