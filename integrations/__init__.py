@@ -17,6 +17,8 @@ on the policy layer (:mod:`lazyckpt.policy`) and holds no format, threading or r
 | ``fabric`` | ``LazyFabricIO``: ``fabric.save``/``fabric.load`` with lazy checkpoints (the barrier is every optimizer's step pre-hook) |
 | ``transformers`` | ``LazyCheckpointCallback`` for the Hugging Face ``Trainer`` (and TRL's trainers) |
 | ``_transformers_state`` | what the callback captures from and restores into the Trainer, the Trainer's files in a step directory, its retention rule |
+| ``deepspeed`` | ``LazyCheckpointEngine`` and ``use_lazy_checkpoints(engine)`` for a ``DeepSpeedEngine`` (ZeRO 1/2/3) |
+| ``_deepspeed_files`` | a DeepSpeed tag as one lazyckpt step: its files, the markers DeepSpeed's loader globs, the tag link, ``latest`` and its repair |
 | ``url`` | ``lazyckpt://`` URLs: Lightning's own loading reads lazyckpt checkpoints |
 | ``_compat`` | every private Lightning and Accelerate attribute the adapters use, each with its reason |
 """

@@ -34,6 +34,7 @@ from lazyckpt.read.load import checkpoint_step, latest, load
 from lazyckpt.storage import FileKind, LocalStorage
 from lazyckpt.storage.base import kind_of
 from lazyckpt.storage.urls import is_url, join, options_for
+from lazyckpt.weak import weakly
 
 
 class LazyFabricIO(CheckpointIO):
@@ -66,7 +67,7 @@ class LazyFabricIO(CheckpointIO):
     def _start(self) -> None:
         """What does not cross a process boundary: the barrier hook, the optimizers seen stepping, the exit hook."""
         self._stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._hook = register_optimizer_step_pre_hook(_weakly(self._before_update))
+        self._hook = register_optimizer_step_pre_hook(weakly(self._before_update))
         self._at_exit = weakref.finalize(self, _close_runs, self._runs)  # names put in place at a normal exit too
 
     def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the strategy, and this plugin with it
@@ -228,17 +229,6 @@ def _close_runs(runs: dict[str, _Run]) -> None:
             error = error or e
     if error is not None:
         raise error
-
-
-def _weakly(method: Any) -> Any:
-    """A global hook that does not keep its plugin alive (a dropped one is freed, and its hook removed)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-    return call
 
 
 def _lazyckpt_checkpoint(name: str) -> str | None:

@@ -35,6 +35,7 @@ from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.ranks.group import default_store, rank_and_size
 from lazyckpt.ranks.rendezvous import Attempts
 from lazyckpt.storage import LocalStorage, Storage
+from lazyckpt.weak import weakly
 from lazyckpt.write.capture import capture_job
 from lazyckpt.write.commit import JobEnds
 from lazyckpt.write.copier import Copier
@@ -109,8 +110,8 @@ class LazyCheckpointer:
         self._steps = CommittedSteps(self.dirpath, self.storage, self.config, rendezvous=self._rendezvous,
                                      remote=self.remote)
         self._ends = JobEnds(storage=self.storage, config=self.config, rendezvous=self._rendezvous,
-                             writer=self._writer, inflight=self._inflight, committed=_weakly(self._on_committed),
-                             discarded=_weakly(self._drop_if_discarded))
+                             writer=self._writer, inflight=self._inflight, committed=weakly(self._on_committed),
+                             discarded=weakly(self._drop_if_discarded))
         self._pid = os.getpid()
         self._closed = False
         _OPEN.add(self)
@@ -374,16 +375,6 @@ class LazyCheckpointer:
             pass
 
 
-def _weakly(method: Callable[[CheckpointJob], None]) -> Callable[[CheckpointJob], None]:
-    """``method`` of a checkpointer, without keeping the checkpointer alive: one dropped without ``close()`` is freed
-    (and its directory lock released) at once, not at the next garbage collection of a reference cycle."""
-    ref = weakref.WeakMethod(method)
-
-    def call(job: CheckpointJob) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(job)
-    return call
 
 
 @atexit.register
