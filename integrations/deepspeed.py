@@ -33,7 +33,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from integrations._deepspeed_files import (decode_objects, encode_objects, is_lazyckpt_tag, repair_latest,
+from lazyckpt.integrations._deepspeed_files import (decode_objects, encode_objects, is_lazyckpt_tag, repair_latest,
                                            write_latest, write_markers)
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.format.files import step_dirname
@@ -69,6 +69,8 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._steps_dir = None if dirpath is None else normalize_dirpath(dirpath)
         self._torch = TorchCheckpointEngine()
         self._folder: _Folder | None = None
+        self._session: CheckpointSession | None = None
+        """The current directory's session, or the last one's once closed (its stalls and stats stay readable)."""
         self._info: CheckpointCommitInfo | None = None
         self._files: dict[str, Any] | None = None
         self._loaded: dict[tuple[str, int], dict[str, Any]] = {}
@@ -190,8 +192,14 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     @property
     def stalls(self) -> dict[int, float]:
-        """Training-thread seconds each checkpoint cost, by step (capture, request and the first barrier)."""
-        return {} if self._folder is None else self._folder.session.stalls
+        """Training-thread seconds each checkpoint cost, by step (capture, request and the first barrier), of the
+        current directory (or the last one, once closed)."""
+        return {} if self._session is None else self._session.stalls
+
+    @property
+    def stats(self) -> list[Any]:
+        """:class:`~lazyckpt.write.stats.CheckpointStats` of each committed checkpoint, as :attr:`stalls`."""
+        return [] if self._session is None else list(self._session.engine.stats)
 
     def _files_of(self, step_dir: str, rank: int, device: torch.device | None) -> dict[str, Any] | None:
         key = (step_dir, rank)
@@ -213,6 +221,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             session = CheckpointSession(steps_dir, self.options, rank=self._rank, world_size=self._world_size,
                                         engine_retention=False)
             folder = self._folder = _Folder(session, save_dir)
+            self._session = session
             self._at_exit.detach()
             self._at_exit = weakref.finalize(self, _close_folder, [folder])
         return folder
