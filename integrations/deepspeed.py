@@ -37,6 +37,7 @@ from lazyckpt.integrations._deepspeed_files import (decode_objects, encode_objec
                                            write_latest, write_markers)
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.format.files import step_dirname
+from lazyckpt.interop.deepspeed_format import consolidate
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
 from lazyckpt.ranks.group import rank_and_size
@@ -371,4 +372,11 @@ def _wrap(engine: Any, method: str, *, before: Any, after: Any, failed: Any) -> 
     setattr(engine, method, call)
 
 
-__all__ = ["LazyCheckpointEngine", "use_lazy_checkpoints"]
+def consolidated_state(path: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
+    """A DeepSpeed checkpoint's whole tensors in one process, at any world size (``save_dir/<tag>`` or its step
+    directory): ``{"module": fp32 weights and buffers, "optimizer": {name: per-parameter state}, "tag",
+    "global_steps"}``; see :func:`lazyckpt.interop.deepspeed_format.consolidate`."""
+    return consolidate(path, verify=verify)
+
+
+__all__ = ["LazyCheckpointEngine", "consolidated_state", "use_lazy_checkpoints"]

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from lazyckpt.errors import CheckpointFormatError
+from lazyckpt.interop.deepspeed_format import consolidate, is_deepspeed_state
 from lazyckpt.interop.lightning_format import lightning_checkpoint_bytes
 from lazyckpt.interop.transformers_format import trainer_checkpoint
 from lazyckpt.read.load import check_committed, load
@@ -103,7 +104,8 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
 
     Args:
         key: the top-level key holding the weights (default: the first of :data:`MODEL_KEYS` present, or the
-            whole state when it is already a flat dict of tensors).
+            whole state when it is already a flat dict of tensors; a DeepSpeed checkpoint's whole fp32 weights and
+            buffers, consolidated from its ZeRO partitions).
         strip_prefix: remove this prefix from every name (default: a Lightning checkpoint's ``state_dict`` loses
             the attribute prefix all its names share, e.g. ``model.`` of ``self.model``).
         dedupe: store bit-identical tensors (tied embeddings) once, under their first name.
@@ -112,6 +114,8 @@ def export_safetensors(path: str | os.PathLike[str], out_file: str | os.PathLike
     _check_local("out_file", out_file)
     source, storage = storage_for(path, storage, storage_options)
     state = load(source, storage=storage)
+    if key is None and is_deepspeed_state(state):  # ZeRO partitions: the whole fp32 weights and buffers
+        state = {"model": consolidate(source, storage=storage)["module"]}
     weights = model_weights(state, key, where=os.fspath(path))
     lightning = "pytorch-lightning_version" in state
     prefix = strip_prefix if strip_prefix is not None else (_shared_prefix(weights) if lightning else "")

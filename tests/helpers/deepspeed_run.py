@@ -94,7 +94,8 @@ def exit_at_commit(step: int):
 def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, plan: str) -> None:
     """``plan``:
 
-    * ``first``: save at 2 and 4 (fingerprints ``fp2``, ``fp4`` taken right before), train on to 6 (``fp6``).
+    * ``first``: save at 2 and 4 (fingerprints ``fp2``, ``fp4`` taken right before; step 4 also with DeepSpeed's
+      own engine into ``out/torch-engine``), train on to 6 (``fp6``).
     * ``resume``: resume from ``dirpath``; the state must be ``fp4`` at step 4; train to 6: it must be ``fp6``.
     * ``crash-before-commit``: save at 2 (committed), then at 4 with a commit that ends the process.
     * ``resume-2``: resume; the state must be ``fp2`` at step 2, and ``latest`` names ``global_step2``.
@@ -115,6 +116,12 @@ def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, pla
         engine.save_checkpoint(dirpath)
         if step == 2 and plan != "first":
             lazy.wait()
+    if plan == "first":  # the same state through DeepSpeed's own engine, for its own consolidation to compare with
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        engine.checkpoint_engine = TorchCheckpointEngine(engine._config)  # its configured serialization
+        engine.save_checkpoint(os.path.join(out, "torch-engine"))
+        engine.checkpoint_engine = lazy
     if plan == "crash-before-commit":
         os._exit(CRASH_EXIT_CODE)  # rank 0 ends at its commit; this is rank 1, which saved its part
     if plan == "crash-after-commit":

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO 1, 2 and 3 with lazy checkpoints (``use_lazy_checkpoints``), in 1 and 2 gloo processes on CPU:
-resume bit-exact, the checkpoint holds the state of its step although training went on, a crash before the commit
+resume bit-exact, the checkpoint holds the state of its step although training went on and consolidates in one
+process like DeepSpeed's own ``zero_to_fp32``, a crash before the commit
 leaves the previous checkpoint ``latest``, a crash after it resumes from the new one."""
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import lazyckpt  # noqa: E402
 from helpers.deepspeed_run import CRASH_EXIT_CODE, scenario  # noqa: E402
+from lazyckpt.integrations.deepspeed import consolidated_state  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
 
@@ -25,6 +31,27 @@ def test_resume_is_bit_exact_and_the_checkpoint_is_the_state_of_its_step(tmp_pat
     _run(world_size, stage, tmp_path / "ckpt", tmp_path, "first")
     assert os.readlink(tmp_path / "ckpt" / "global_step4") == "step-0000004"
     _run(world_size, stage, tmp_path / "ckpt", tmp_path, "resume")
+    _assert_consolidated_like_deepspeed(tmp_path / "ckpt" / "global_step4", tmp_path / "torch-engine")
+    exported = lazyckpt.export(tmp_path / "ckpt" / "global_step4", tmp_path / "model.safetensors",
+                               format="safetensors")
+    whole = consolidated_state(tmp_path / "ckpt" / "global_step4")["module"]
+    assert load_file(exported).keys() == whole.keys()
+    assert all(torch.equal(t, whole[name]) for name, t in load_file(exported).items())
+
+
+def _assert_consolidated_like_deepspeed(lazy_tag, torch_dir):
+    """In this one process: the whole weights of the lazy checkpoint are DeepSpeed's own consolidation of the same
+    state (``zero_to_fp32`` on the checkpoint its own engine wrote), bit for bit, and every parameter's optimizer
+    state is whole too."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(torch_dir), tag="global_step4")
+    whole = consolidated_state(lazy_tag)
+    assert whole["module"].keys() == expected.keys() and whole["global_steps"] == 4
+    for name, tensor in expected.items():
+        assert torch.equal(whole["module"][name], tensor), name
+        state = whole["optimizer"][name]
+        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == tensor.shape, name
 
 
 @pytest.mark.parametrize("stage", [2, 3])
