@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (HERE, chosen_keys, emit, fork_server, log, run_facts, work_root,  # noqa: E402
                      workload_of)
-from report import aggregate, check_targets, markdown_table, write_plots  # noqa: E402
+from report import aggregate, check_targets, first_checkpoints_line, markdown_table, write_plots  # noqa: E402
 from workload import MiB, Workload, median, raw_write_seconds  # noqa: E402
 
 FULL = {"params_m": 25.0, "batch": 4, "seq": 32, "every": 5, "checkpoints": 6, "repeats": 3}
@@ -299,7 +299,8 @@ def publish(args: argparse.Namespace, machine: dict, config: dict, runs: list[di
     targets = check_targets(entries, nbytes)
     emit(args, f"{config['parameters'] / 1e6:.1f}M parameters, {nbytes / MiB:.0f} MiB state; checkpoint every "
          f"{config['every']} steps; medians (min–max) over {config['repeats']} repeat(s)", markdown_table(entries),
-         targets, entries, {"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs})
+         targets, entries, {"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs},
+         footer=first_checkpoints_line(entries))
     if args.plots:
         for path in write_plots(entries, runs, args.plots):
             log(f"wrote {path}")

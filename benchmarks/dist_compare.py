@@ -19,11 +19,11 @@ import traceback
 from typing import Any
 
 from harness import chosen_keys, emit, fork_server, free_port, log, run_facts, work_root, workload_of
-from report import cell, metric, scaled, target_row, spread
+from report import cell, first_checkpoints_line, metric, scaled, target_row, spread
 from workload import MiB, Workload, median
 
 RANK_METRICS = ("stall_ms", "engine_stall_ms", "durable_s", "extra_rss_mb", "extra_rss_x_shard", "e2e_slowdown_pct",
-                "written_mb")
+                "written_mb", "child_rss_mb", "first_checkpoint_stall_s", "first_checkpoint_durable_s")
 
 
 # --- one rank ----------------------------------------------------------------------------------------------------
@@ -143,6 +143,9 @@ def per_rank_metrics(rank: dict[str, Any], base: dict[str, float] | None) -> dic
            "engine_stall_ms": 1e3 * sum(s["save_s"] + s["wait_s"] for s in engine) / len(engine) if engine else None,
            "durable_s": median(durable) if durable else None,
            "written_mb": written / MiB if written is not None else None,
+           "child_rss_mb": rank.get("peak_child_rss_bytes", 0) / MiB,
+           "first_checkpoint_stall_s": rank.get("first_checkpoint_stall_s"),
+           "first_checkpoint_durable_s": rank.get("first_checkpoint_durable_s"),
            "extra_rss_mb": None, "extra_rss_x_shard": None, "e2e_slowdown_pct": None}
     if base is not None:
         extra = rank["peak_rss_bytes"] - base["peak_rss_bytes"]
@@ -211,6 +214,9 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
             "extra RSS / shard bytes", "end-to-end slowdown %", "written MB / rank"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
+        if not e.get("available", True):
+            lines.append(f"| {e['name']} | unavailable: {e['unavailable']} |" + " |" * (len(head) - 2))
+            continue
         verified = "yes" if e["verified"] else "**FAIL**"
 
         def both(name: str, fmt: str) -> str:
@@ -226,11 +232,30 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
 # --- the benchmark -----------------------------------------------------------------------------------------------
 
 
-def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[list[str], list[dict]]:
-    """One reference run per driver, then every method ``--repeats`` times, shuffled per repeat."""
+def unavailable_methods(keys: list[str]) -> dict[str, str]:
+    """Key -> why, for the chosen methods that cannot run here (a missing optional peer)."""
+    from dist_methods import DIST_METHODS
+    from methods import Unavailable
+
+    out = {}
+    for key in keys:
+        try:
+            DIST_METHODS[key]().check()
+        except Unavailable as e:
+            out[key] = str(e)
+    return out
+
+
+def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[list[str], list[dict], dict]:
+    """One reference run per driver, then every available method ``--repeats`` times, shuffled per repeat; also
+    returns the unavailable ones with their reasons."""
     from dist_methods import DIST_BASELINE_FOR, DIST_METHODS
 
     keys = chosen_keys(args.methods, DIST_METHODS, DIST_BASELINE_FOR)
+    unavailable = unavailable_methods(keys)
+    for key, reason in unavailable.items():
+        log(f"{key:22s} unavailable: {reason}")
+    keys = [k for k in keys if k not in unavailable]
     for driver in dict.fromkeys(DIST_METHODS[k].driver for k in keys):
         run = run_ranks(server, f"reference_{driver}", 0, workload, args.world_size, root, args.run_timeout)
         failed = [r for r in run["ranks"] if "error" in r]
@@ -251,7 +276,7 @@ def benchmark(args: Any, workload: Workload, server: Any, root: str) -> tuple[li
             log(f"[repeat {repeat + 1}/{args.repeats}] {key:22s} {run['wall_s']:6.1f}s  {status}")
             if failed:
                 log(failed[0].get("traceback", "")[-1500:])
-    return keys, runs
+    return keys, runs, unavailable
 
 
 def main(args: Any, machine_info: Any) -> int:
@@ -264,16 +289,20 @@ def main(args: Any, machine_info: Any) -> int:
     try:
         log(f"{args.world_size} gloo ranks, {workload.threads} thread(s) each; work dir {root}")
         machine = machine_info(root, 64 * MiB)
-        keys, runs = benchmark(args, workload, fork_server(workload, args.malloc_mmap_threshold),
-                               root)
+        keys, runs, unavailable = benchmark(args, workload, fork_server(workload, args.malloc_mmap_threshold),
+                                            root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     entries = aggregate([DIST_METHODS[k] for k in DIST_METHODS if k in keys], runs, DIST_BASELINE_FOR)
+    entries += [{"name": DIST_METHODS[k].label, "key": k, "kind": DIST_METHODS[k].kind, "driver": DIST_METHODS[k].driver,
+                 "available": False, "verified": False, "unavailable": why} for k, why in unavailable.items()]
     targets = check_targets(entries)
-    config = {**workload.describe(), "world_size": args.world_size, "repeats": args.repeats, "methods": keys,
+    config = {**workload.describe(), "world_size": args.world_size, "repeats": args.repeats,
+              "methods": keys + list(unavailable),
               **run_facts(started)}
     emit(args, f"{args.world_size} ranks x {workload.threads} thread(s), {args.params_m:g}M parameters; checkpoint "
          f"every {workload.every} steps; worst rank, median (min–max) over {args.repeats} repeat(s)",
          markdown_table(entries), targets, entries,
-         {"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs})
+         {"machine": machine, "config": config, "methods": entries, "targets": targets, "runs": runs},
+         footer=first_checkpoints_line(entries))
     return 0

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from methods import DcpStager, LazyEngine, Method, NoCheckpoint, Run
+from peer_torch_checkpointing import TorchCheckpointing, manager_config
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,6 +92,31 @@ class DcpStagerFsdp(Parallel, DcpStager):
         state = self.state()  # the live DTensors: filled in place, this rank's shards only
         dcp.load(state, checkpoint_id=path)
         return state
+
+
+class TorchCheckpointingFsdp(Parallel, TorchCheckpointing):
+    """``manager.save(path, get_state_dict(...))`` on every rank, each rank's DTensor shards in files of its own;
+    the writer processes meet at the store barrier, then rank 0 renames the directory. Read back into the same
+    layout. No ``DefaultResharder`` is declared: with one, the first save gathers the sharding metadata across ranks
+    in tensors it allocates on ``"cuda"`` (torch-checkpointing 0.1.1), which fails on a CPU machine."""
+
+    key, label = "torch_checkpointing_fsdp2", "torch-checkpointing CheckpointManager (FSDP2)"
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def finish(self) -> None:
+        super().finish()
+        dist.barrier()  # rank 0's rename is done before any rank reads the checkpoint back
+
+    def load(self, path: str) -> Any:
+        from torch_checkpointing import CheckpointManager
+
+        reader = CheckpointManager(manager_config(rank=self.rank(), saving=False))
+        try:
+            return reader.load(path, into=self.state())  # the live DTensors, filled in place
+        finally:
+            reader.close()
 
 
 class LazyParallel(Parallel, LazyEngine):
@@ -176,7 +202,7 @@ class Reference(Parallel, NoCheckpoint):
 
 
 DIST_METHODS: dict[str, type[Parallel]] = {cls.key: cls for cls in (
-    NoCheckpointFsdp, LazyParallel, DcpStagerFsdp, NoCheckpointDdp, LazyDdpSplit, LazyDdpRank0)}
+    NoCheckpointFsdp, LazyParallel, DcpStagerFsdp, TorchCheckpointingFsdp, NoCheckpointDdp, LazyDdpSplit, LazyDdpRank0)}
 """Every distributed method, in table order."""
 
 DIST_BASELINE_FOR = {"fsdp2": "none_fsdp2", "ddp": "none_ddp"}

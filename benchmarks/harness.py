@@ -90,10 +90,13 @@ def allocator_env() -> dict[str, str]:
 
 
 def emit(args: argparse.Namespace, heading: str, table: str, targets: dict, entries: list[dict],
-         document: dict) -> None:
-    """Print the heading, the results table and the targets; write ``document`` to ``--json``."""
+         document: dict, footer: str | None = None) -> None:
+    """Print the heading, the results table (and ``footer`` under it) and the targets; write ``document`` to
+    ``--json``."""
     print(f"\n{heading}\n")
     print(table)
+    if footer:
+        print(f"\n{footer}")
     if targets:
         print("\nTargets:\n")
         print(targets_table(targets, entries))

@@ -47,6 +47,8 @@ class Method:
     kind = "peer"
     """``baseline``, ``floor``, ``peer`` or ``lazyckpt``."""
     modules: tuple[str, ...] = ()
+    child_processes = False
+    """The method writes from processes of its own: their private memory counts in its peak RSS."""
 
     def __init__(self) -> None:
         self.run: Run | None = None
@@ -189,11 +191,17 @@ class DcpThread(Method):
         return template
 
     def prepare_load(self) -> None:
-        model_sd, opt_sd = self.run.model.state_dict(), self.run.optimizer.state_dict()
-        self.template = {"model": {k: torch.empty_like(v) for k, v in model_sd.items()},
-                         "opt": {"state": {i: {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
-                                               for k, v in s.items()} for i, s in opt_sd["state"].items()},
-                                 "param_groups": opt_sd["param_groups"]}}
+        self.template = empty_state_like(self.run.model, self.run.optimizer)
+
+
+def empty_state_like(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model", "opt"}`` shaped like the live state, every tensor freshly allocated and every other leaf the live
+    one (readers that fill a template in place want both)."""
+    model_sd, opt_sd = model.state_dict(), optimizer.state_dict()
+    return {"model": {k: torch.empty_like(v) for k, v in model_sd.items()},
+            "opt": {"state": {i: {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+                                  for k, v in s.items()} for i, s in opt_sd["state"].items()},
+                    "param_groups": opt_sd["param_groups"]}}
 
 
 def default_stager(*, cuda: bool) -> Any:

@@ -69,6 +69,9 @@ def aggregate(methods: list[Any], runs: list[dict[str, Any]], state_bytes: int,
         entry["raw_write_s"] = spread([r.get("raw_write_s") for r in good])
         entry["restore_s"] = spread([r.get("restore_s") for r in good])
         entry["ckpt_mb"] = spread([r["ckpt_bytes"] / MiB for r in good if r.get("ckpt_bytes")])
+        entry["child_rss_mb"] = spread([r.get("peak_child_rss_bytes", 0) / MiB for r in good])
+        entry["first_checkpoint_stall_s"] = spread([r.get("first_checkpoint_stall_s") for r in good])
+        entry["first_checkpoint_durable_s"] = spread([r.get("first_checkpoint_durable_s") for r in good])
         engine = [r for r in good if r.get("engine_stats")]
         if engine:  # where lazyckpt's stall and latency go, from the engine's own CheckpointStats
             def mean_of(run: dict, name: str) -> float:
@@ -134,8 +137,32 @@ def check_targets(entries: list[dict[str, Any]], state_bytes: int) -> dict[str, 
             target_row("peak extra RSS <= 1.2x the state", metric(e, "extra_rss_mb"), 1.2 * state_bytes / MiB),
             target_row("quiet step <= 1.03x the no-checkpoint loop's", metric(e, "quiet_step_x"), 1.03),
         ]
-        out[e["key"]] = rows
+        out[e["key"]] = rows + against_torch_checkpointing(e, by_key.get("torch_checkpointing"))
     return out
+
+
+def against_torch_checkpointing(e: dict[str, Any], peer: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The targets against torch-checkpointing, when it ran and verified (issue 28)."""
+    if peer is None or e["driver"] != peer["driver"]:
+        return []
+    return [
+        target_row("stall <= 1/3 of torch-checkpointing's", metric(e, "stall_ms"), _div(metric(peer, "stall_ms"), 3)),
+        target_row("in-loop overhead below torch-checkpointing's", metric(e, "in_loop_overhead_ms"),
+                   metric(peer, "in_loop_overhead_ms"), strict=True, noise=_noise(e, peer)),
+        target_row("time to durable below torch-checkpointing's", metric(e, "time_to_durable_s"),
+                   metric(peer, "time_to_durable_s"), strict=True),
+        target_row("peak extra RSS <= torch-checkpointing's", metric(e, "extra_rss_mb"), metric(peer, "extra_rss_mb")),
+    ]
+
+
+def first_checkpoints_line(entries: list[dict[str, Any]]) -> str | None:
+    """One line with every method's untimed warm-up checkpoint: its stall and its time to durable."""
+    parts = []
+    for e in entries:
+        stall, durable = metric(e, "first_checkpoint_stall_s"), metric(e, "first_checkpoint_durable_s")
+        if e.get("available") and e["kind"] != "baseline" and stall is not None:
+            parts.append(f"{e['key']} {stall:.2f} s" + (f" (durable {durable:.2f} s)" if durable is not None else ""))
+    return "first checkpoint (untimed warm-up), stall: " + ", ".join(parts) if parts else None
 
 
 def _noise(a: dict | None, b: dict | None) -> float | None:

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from floors import RawDirect, RawFloor, RawPaced  # noqa: E402
 from frameworks import AccelerateSaveState, LazyHook, LazyLightning, LightningAsync, LightningSync  # noqa: E402
+from peer_torch_checkpointing import TorchCheckpointing  # noqa: E402
 from methods import (  # noqa: E402
     DcpStager, DcpThread, LazyEngine, LazyEngineBuffered, LazyEngineTwoInFlight, LazyEngineTwoPools, Method,
     NoCheckpoint, NoCheckpointAccelerate, NoCheckpointTrainer, Run, TorchSave, Unavailable)
@@ -62,7 +63,7 @@ from workload import (  # noqa: E402
     normalize, raw_write_seconds, set_threads, tree_bytes)
 
 METHODS: dict[str, type[Method]] = {cls.key: cls for cls in (
-    NoCheckpoint, RawFloor, RawDirect, RawPaced, TorchSave, DcpThread, DcpStager, LazyEngine, LazyEngineBuffered,
+    NoCheckpoint, RawFloor, RawDirect, RawPaced, TorchSave, DcpThread, DcpStager, TorchCheckpointing, LazyEngine, LazyEngineBuffered,
     LazyEngineTwoInFlight, LazyEngineTwoPools, NoCheckpointTrainer, LightningSync, LightningAsync, LazyLightning,
     NoCheckpointAccelerate, AccelerateSaveState, LazyHook,
 )}
@@ -91,18 +92,20 @@ class Recorder:
     finish_end: float = 0.0
     sampler: RssSampler | None = None
     peak_rss: int = 0
+    peak_child_rss: int = 0
     start_rss: int = 0
     gc_pauses: list[tuple[str, int, float]] = dataclasses.field(default_factory=list)
     """(thread name, generation, seconds) of every garbage collection while memory was sampled."""
 
-    def start_memory(self) -> None:
-        self.sampler = RssSampler()
+    def start_memory(self, children: bool = False) -> None:
+        self.sampler = RssSampler(children=children)
         self.start_rss = self.sampler.start_rss
         gc.callbacks.append(self._on_gc)
 
     def stop_memory(self) -> None:
         if self.sampler is not None:
             self.peak_rss = self.sampler.stop()
+            self.peak_child_rss = self.sampler.peak_children
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
@@ -149,7 +152,7 @@ def run_loop(w: Workload, method: Method, dirpath: str, rec: Recorder) -> Run:
     backward = accelerator.backward if accelerator is not None else torch.Tensor.backward
     for step in range(1, w.total_steps + 1):
         if step == w.every:
-            rec.start_memory()
+            rec.start_memory(children=method.child_processes)
         if step == w.first_measured_step:
             method.drain()
             rec.loop_start = now()
@@ -286,7 +289,7 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
     durable = method.durable_seconds()
     if durable is None:
         stamps = method.durable_timestamps()
-        durable = {s: stamps[s] - rec.request_at[s] for s in ckpts if s in stamps and s in rec.request_at}
+        durable = {s: stamps[s] - rec.request_at[s] for s in (w.every, *ckpts) if s in stamps and s in rec.request_at}
     durations = [rec.end[s] - rec.start[s] for s in range(w.first_measured_step, last + 1)]
     engine = getattr(getattr(method, "ckpt", None), "stats", None) or getattr(
         getattr(method, "callback", None), "stats", None) or (
@@ -302,6 +305,8 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
         "stall_s": rec.stall_per_checkpoint(method.own_stalls()) if method.kind != "baseline" else [],
         "durable_s": [durable[s] for s in ckpts if s in durable],
         "peak_rss_bytes": rec.peak_rss,
+        "peak_child_rss_bytes": rec.peak_child_rss,
+        **first_checkpoint(w, rec, durable),
         "gc_training_thread_s": sum(s for name, _, s in rec.gc_pauses if name == "MainThread"),
         "gc_full_collections": sum(1 for _, gen, _ in rec.gc_pauses if gen == 2),
         "start_rss_bytes": rec.start_rss,
@@ -309,6 +314,15 @@ def summarize(w: Workload, method: Method, rec: Recorder) -> dict[str, Any]:
         "engine_stats": [dataclasses.asdict(s) for s in engine if s.step in ckpts] if engine else None,
         "engine_warmup_stats": [dataclasses.asdict(s) for s in engine if s.step not in ckpts] if engine else None,
     }
+
+
+def first_checkpoint(w: Workload, rec: Recorder, durable: dict[int, float]) -> dict[str, float | None]:
+    """What the untimed warm-up checkpoint (step ``every``) cost: the training thread's time in its request and
+    the wait before the next step, and its request-to-durable time (a method's first save may start threads or a
+    writer process, so it is reported apart from the measured ones)."""
+    stall = sum(s for step, phase, s in rec.stalls if (step, phase) in ((w.every, "post"), (w.every + 1, "pre")))
+    return {"first_checkpoint_stall_s": stall if rec.stalls else None,
+            "first_checkpoint_durable_s": durable.get(w.every)}
 
 
 def quiet_step_durations(w: Workload, rec: Recorder, durable: dict[int, float],

@@ -210,27 +210,55 @@ def compare(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 
 
 class RssSampler:
-    """Samples this process's RSS on a thread every ``interval_s`` and keeps the peak."""
+    """Samples this process's RSS on a thread every ``interval_s`` and keeps the peak. With ``children``, each
+    sample adds the private (anonymous) memory of this process's child processes: a method that writes from a
+    process of its own costs that memory too, while pages the child shares with this process (shared-memory
+    staging buffers, libraries) are already in this process's RSS."""
 
-    def __init__(self, interval_s: float = 0.005) -> None:
+    def __init__(self, interval_s: float = 0.005, children: bool = False) -> None:
         import psutil
 
         self._proc = psutil.Process()
         self.interval_s = interval_s
+        self.children = children
         self.start_rss = self.peak_rss = self._proc.memory_info().rss
+        self.peak_children = 0
+        """The children's share of the peak sample (bytes)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
         self._thread.start()
 
+    def _children_private(self, found: list) -> int:
+        import psutil
+
+        total = 0
+        for child in found:
+            try:
+                info = child.memory_info()
+            except psutil.Error:  # it ended between the listing and the sample
+                continue
+            total += info.rss - info.shared
+        return total
+
+    def _sample(self, found: list) -> None:
+        own = self._proc.memory_info().rss
+        extra = self._children_private(found) if found else 0
+        if own + extra > self.peak_rss:
+            self.peak_rss, self.peak_children = own + extra, extra
+
     def _run(self) -> None:
+        found, tick = [], 0
         while not self._stop.wait(self.interval_s):
-            self.peak_rss = max(self.peak_rss, self._proc.memory_info().rss)
+            if self.children and tick % 20 == 0:  # listing children scans /proc: every 100 ms is enough
+                found = self._proc.children(recursive=True)
+            tick += 1
+            self._sample(found)
 
     def stop(self) -> int:
         """Stop sampling; returns the peak RSS in bytes."""
         self._stop.set()
         self._thread.join()
-        self.peak_rss = max(self.peak_rss, self._proc.memory_info().rss)
+        self._sample(self._proc.children(recursive=True) if self.children else [])
         return self.peak_rss
 
 
@@ -262,18 +290,19 @@ def fsync_tree(path: str) -> None:
     """fsync every file under ``path`` and the directories holding them (for methods that do not)."""
     dirs = {os.path.dirname(path) or "."}
     for name in files_under(path):
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(name)
         dirs.add(os.path.dirname(name))
     for d in dirs:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(d)
+
+
+def fsync_path(path: str) -> None:
+    """fsync one file or directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_all(fd: int, data: memoryview) -> None:

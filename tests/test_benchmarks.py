@@ -41,7 +41,7 @@ def test_quick_json_has_the_schema(quick):
     config = data["config"]
     assert config["quick"] is True and config["every"] >= 1 and config["state_bytes"] > 0
     keys = [m["key"] for m in data["methods"]]
-    assert len(keys) == len(set(keys)) == 18, keys
+    assert len(keys) == len(set(keys)) == 19, keys
     for method in data["methods"]:
         assert {"name", "verified", "available"} <= set(method), method
         if not method["available"]:
@@ -63,6 +63,68 @@ def test_every_available_method_verified_its_checkpoint(quick):
     failed = {m["key"]: m.get("errors") or m.get("verify_problems") for m in available if m["verified"] is not True}
     assert not failed, failed
     assert "| lazyckpt LazyCheckpointer | yes |" in stdout  # the markdown table on stdout
+    peer = next(m for m in data["methods"] if m["key"] == "torch_checkpointing")
+    if peer["available"]:  # an optional peer: verified above when installed, "unavailable" with a reason if not
+        assert peer["first_checkpoint_stall_s"]["median"] > 0 and peer["child_rss_mb"]["median"] > 0
+        assert "first checkpoint (untimed warm-up), stall: " in stdout and "torch_checkpointing " in stdout
+    else:
+        assert "import torch_checkpointing failed" in peer["unavailable"]
+
+
+def test_torch_checkpointing_is_unavailable_with_a_reason_when_not_installed(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    monkeypatch.setitem(sys.modules, "torch_checkpointing", None)  # what a missing package looks like to import
+    from dist_methods import TorchCheckpointingFsdp
+    from methods import Unavailable
+    from peer_torch_checkpointing import TorchCheckpointing
+
+    for method in (TorchCheckpointing(), TorchCheckpointingFsdp()):
+        with pytest.raises(Unavailable, match="import torch_checkpointing failed"):
+            method.check()
+
+
+def test_torch_checkpointing_fsyncs_the_files_of_its_rank_and_the_directories(tmp_path, monkeypatch):
+    """The fsyncs the benchmark adds to torch-checkpointing's write (it has none): in the temporary directory each
+    rank its own ``<item>_<rank>.pt`` files, rank 0 also the metadata, then the directory; after the rename rank 0
+    the parent."""
+    monkeypatch.syspath_prepend(BENCH)
+    import peer_torch_checkpointing as peer
+
+    synced = []
+    monkeypatch.setattr(peer, "fsync_path", synced.append)
+    tmp = tmp_path / "tmp_step-5"
+    tmp.mkdir()
+    for name in ("model_0.pt", "opt_0.pt", "model_1.pt", "opt_1.pt", "metadata.pkl"):
+        (tmp / name).write_bytes(b"x")
+    args = type("CallbackArgs", (), {"path": str(tmp)})
+    peer.fsync_written(args, rank=1)
+    assert sorted(synced) == sorted([str(tmp / "model_1.pt"), str(tmp / "opt_1.pt"), str(tmp)])
+    synced.clear()
+    peer.fsync_written(args, rank=0)
+    assert sorted(synced) == sorted([str(tmp / n) for n in ("model_0.pt", "opt_0.pt", "metadata.pkl")] + [str(tmp)])
+    synced.clear()
+    args.path = str(tmp_path / "step-5")
+    peer.fsync_committed(args, rank=1)
+    peer.fsync_committed(args, rank=0)
+    assert synced == [str(tmp_path)]
+
+
+def test_rss_sampler_counts_a_childs_private_memory_only_when_asked(monkeypatch):
+    """A method that writes from a process of its own pays for that process's memory: with ``children=True`` the
+    peak adds the child's private (anonymous) memory."""
+    monkeypatch.syspath_prepend(BENCH)
+    from workload import MiB, RssSampler
+
+    code = "import sys; held = bytearray(96 << 20); held[::4096] = b'x' * len(held[::4096]); print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with_children, alone = RssSampler(children=True), RssSampler()
+        with_children.stop(), alone.stop()
+    finally:
+        child.communicate("")
+    assert with_children.peak_children >= 90 * MiB and alone.peak_children == 0
+    assert with_children.peak_rss >= alone.peak_rss + 90 * MiB - 16 * MiB  # own RSS moves a little between samples
 
 
 @pytest.mark.slow
@@ -134,8 +196,11 @@ def test_distributed_mode_verifies_every_method_and_splits_the_bytes_across_rank
     with open(out) as f:
         data = json.load(f)
     methods = {m["key"]: m for m in data["methods"]}
-    assert set(methods) == {"none_fsdp2", "lazyckpt_fsdp2", "dcp_stager_fsdp2", "none_ddp", "lazyckpt_ddp_split",
-                            "lazyckpt_ddp_rank0"}
+    assert set(methods) == {"none_fsdp2", "lazyckpt_fsdp2", "dcp_stager_fsdp2", "torch_checkpointing_fsdp2", "none_ddp",
+                            "lazyckpt_ddp_split", "lazyckpt_ddp_rank0"}
+    peer = methods["torch_checkpointing_fsdp2"]
+    if not peer["available"]:  # an optional peer
+        assert "import torch_checkpointing failed" in methods.pop("torch_checkpointing_fsdp2")["unavailable"]
     failed = {k: m["errors"] or m["verify_problems"] for k, m in methods.items() if m["verified"] is not True}
     assert not failed, failed
     runs = {run["method"]: run["ranks"] for run in data["runs"]}
