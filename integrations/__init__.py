@@ -19,6 +19,7 @@ on the policy layer (:mod:`lazyckpt.policy`) and holds no format, threading or r
 | ``_transformers_state`` | what the callback captures from and restores into the Trainer, the Trainer's files in a step directory, its retention rule |
 | ``deepspeed`` | ``LazyCheckpointEngine`` and ``use_lazy_checkpoints(engine)`` for a ``DeepSpeedEngine`` (ZeRO 1/2/3) |
 | ``_deepspeed_files`` | a DeepSpeed tag as one lazyckpt step: its files, the markers DeepSpeed's loader globs, the tag link, ``latest`` and its repair |
+| ``_accelerate_deepspeed`` | Accelerate's DeepSpeed plugin: the engine's files in the hook's step, DeepSpeed's own load on resume |
 | ``url`` | ``lazyckpt://`` URLs: Lightning's own loading reads lazyckpt checkpoints |
 | ``_compat`` | every private Lightning and Accelerate attribute the adapters use, each with its reason |
 """

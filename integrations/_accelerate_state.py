@@ -20,6 +20,7 @@ from lazyckpt.policy import (CheckpointSession, ContinuedEpoch, RunLayout, Updat
                              find_generators, restore_rng)
 from lazyckpt.storage.urls import options_for
 
+from . import _accelerate_deepspeed as deepspeed
 from . import _accelerate_sharded as sharded
 from . import _compat
 
@@ -57,6 +58,11 @@ class PreparedRun:
     """The torch and Accelerate hooks of :meth:`hook_into`, until :meth:`unhook`."""
     continued: ContinuedEpoch = field(default_factory=ContinuedEpoch)
     """Armed by a mid-epoch restore, settled at the next forward (the continuing loader's extra draw)."""
+    deepspeed: Any = None
+    """Under DeepSpeed: the ``LazyCheckpointEngine`` of the prepared ``DeepSpeedEngine`` (:mod:`._accelerate_deepspeed`),
+    which owns the model's and optimizer's state."""
+    engine: Any = None
+    """Under DeepSpeed: the prepared ``DeepSpeedEngine``."""
 
     def hook_into(self, loop: UpdateLoop[Boundary]) -> None:
         """Translate the torch and Accelerate events into calls on ``loop``: an inner optimizer's step post-hook is
@@ -70,7 +76,7 @@ class PreparedRun:
                 lambda *_, index=index: loop.updated(index, optimizers=optimizers, capture=self.boundary)))
         # prepend: before FSDP2's own pre-forward unshards the parameters (a state dict taken then would reshard them)
         handles += [model.register_forward_pre_hook(lambda *_: self.forward(loop), prepend=True)
-                    for model in self.models]
+                    for model in ([self.engine] if self.engine is not None else self.models)]  # DeepSpeed: its own
         handles.append(self.accelerator.register_save_state_pre_hook(lambda *_: loop.drain()))
         handles.append(self.accelerator.register_load_state_pre_hook(lambda *_: loop.drain()))
         self.accelerator.register_for_checkpointing(self.hook)
@@ -92,11 +98,14 @@ class PreparedRun:
         fsdp2 = sharded.is_fsdp2(accelerator)
         if fsdp2:
             sharded.check_supported(models, keep_in_memory=bool(hook.options.engine.get("keep_in_memory")))
+        lazy = deepspeed.attach(prepared.models) if deepspeed.is_deepspeed(accelerator) else None
         return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook,
-                   sharded=fsdp2)
+                   sharded=fsdp2, deepspeed=lazy, engine=prepared.models[0] if lazy is not None else None)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.engine is not None:  # DeepSpeed's base (torch) optimizer: its step hooks are the update's
+            return deepspeed.optimizers_and_immutable(self.engine)[0]
         return [_compat.inner_optimizer(o) for o in self.prepared_optimizers]
 
     @property
@@ -121,8 +130,12 @@ class PreparedRun:
     def request(self, session: CheckpointSession, boundary: Boundary) -> PendingCheckpoint:
         """Request the checkpoint of the iteration ``boundary`` ended, lazily: the replicated state is read now
         (its tensors copied while training goes on), this process's own values were read at the boundary."""
-        return session.save(boundary.step, replicated=self.replicated, per_rank=boundary.per_process,
-                            optimizers=self.optimizers, immutable=self.models,
+        per_rank, immutable = boundary.per_process, self.models
+        if self.engine is not None:  # the engine's files, this process's own (ZeRO partitions)
+            per_rank = {**per_rank, "files": deepspeed.files(self.deepspeed, session.dirpath)}
+            immutable = deepspeed.optimizers_and_immutable(self.engine)[1]
+        return session.save(boundary.step, replicated=self.replicated, per_rank=per_rank,
+                            optimizers=self.optimizers, immutable=immutable,
                             started=time.monotonic() - boundary.capture_s)
 
     def boundary(self, step: int) -> Boundary:
@@ -139,8 +152,9 @@ class PreparedRun:
 
     def replicated(self) -> dict[str, Any]:
         scaler = getattr(self.accelerator, "scaler", None)
-        models, optimizers = self.model_and_optimizer_states()
+        models, optimizers = ([], []) if self.engine is not None else self.model_and_optimizer_states()
         return {
+            **({"tag": deepspeed.STEP_TAG} if self.engine is not None else {}),
             "models": models,
             "optimizers": optimizers,
             "schedulers": [s.state_dict() for s in self.schedulers],
@@ -171,16 +185,19 @@ class PreparedRun:
         """``(the checkpoint's layout, this run's, problems found before comparing them)``."""
         kinds = self.kinds()
         names = [f"model {i} ({kind})" for i, kind in enumerate(kinds["models"])]
+        ds = self.engine is not None  # DeepSpeed checks its own files when it loads them
         here = RunLayout(world_size=self.accelerator.num_processes, kinds=kinds, dataloaders=len(self.dataloaders),
-                         models={n: m.state_dict() for n, m in zip(names, self.models)},
-                         param_groups=[[len(g["params"]) for g in o.param_groups] for o in self.optimizers])
+                         models={} if ds else {n: m.state_dict() for n, m in zip(names, self.models)},
+                         param_groups=[] if ds else [[len(g["params"]) for g in o.param_groups]
+                                                     for o in self.optimizers])
         if not isinstance(saved, dict) or saved.get("format") != FORMAT:
             found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
             return RunLayout(), here, [f"it was not written by LazyCheckpointHook (format {found!r}, expected "
                                        f"{FORMAT!r}); load it with lazyckpt.load(path) instead"]
         there = RunLayout(world_size=saved["world_size"], kinds=saved["kinds"], dataloaders=len(saved["dataloaders"]),
-                          models=dict(zip(names, saved["models"])),
-                          param_groups=[[len(g["params"]) for g in o["param_groups"]] for o in saved["optimizers"]])
+                          models={} if ds else dict(zip(names, saved["models"])),
+                          param_groups=[] if ds else [[len(g["params"]) for g in o["param_groups"]]
+                                                      for o in saved["optimizers"]])
         return (sharded.any_world_size(there), sharded.any_world_size(here), []) if self.sharded else (there, here, [])
 
     def newest(self, session: CheckpointSession) -> str | None:
@@ -210,6 +227,8 @@ class PreparedRun:
                                    world_size=self.accelerator.num_processes, verify=verify, storage_options=remote)
             self.restore(tree, tree)
             return tree
+        if self.engine is not None:
+            deepspeed.restore(self.engine, path)
         self.restore(shared, shared if index == 0 else load(path, verify=verify, rank=index))
         return shared
 
@@ -232,6 +251,8 @@ class PreparedRun:
         """Models, optimizers, schedulers, scaler and registered objects (what :meth:`replicated` captured)."""
         if self.sharded:
             sharded.set_states(self.models[0], self.optimizers, shared["models"][0], shared["optimizers"])
+        elif self.engine is not None:
+            pass  # DeepSpeed restored them from its files (restore_from), or they are not in the snapshot
         else:
             for model, saved in zip(self.models, shared["models"]):
                 model.load_state_dict(saved)

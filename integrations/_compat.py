@@ -190,7 +190,7 @@ def create_sampler_generator(sampler: Any) -> None:
         sampler.generator.manual_seed(sampler.initial_seed)
 
 
-_UNSUPPORTED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+_UNSUPPORTED = ("MEGATRON_LM", "XLA")
 """Refused distributed types (FSDP is refused in version 1 only)."""
 
 

@@ -33,13 +33,12 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from lazyckpt.integrations._deepspeed_files import (decode_objects, encode_objects, is_lazyckpt_tag, repair_latest,
-                                           write_latest, write_markers)
+from lazyckpt.integrations._deepspeed_files import (STEP_TAG, TagFolder, close_folders, decode_objects,
+                                                    encode_objects, ensure_markers, repair_latest, step_of_tag)
 from lazyckpt.config import normalize_dirpath
-from lazyckpt.format.files import step_dirname
 from lazyckpt.interop.deepspeed_format import consolidate
 from lazyckpt.pending import PendingCheckpoint
-from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions
+from lazyckpt.policy import CheckpointSession, SessionOptions
 from lazyckpt.ranks.group import rank_and_size
 from lazyckpt.read.load import load
 from lazyckpt.read.reader import CheckpointReader
@@ -69,16 +68,17 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._engine = weakref.ref(engine)
         self._steps_dir = None if dirpath is None else normalize_dirpath(dirpath)
         self._torch = TorchCheckpointEngine()
-        self._folder: _Folder | None = None
+        self._folder: TagFolder | None = None
         self._session: CheckpointSession | None = None
         """The current directory's session, or the last one's once closed (its stalls and stats stay readable)."""
         self._info: CheckpointCommitInfo | None = None
         self._files: dict[str, Any] | None = None
         self._loaded: dict[tuple[str, int], dict[str, Any]] = {}
         self._rank, self._world_size = rank_and_size()
+        self._capturing = False
         self.hooks: list[Any] = []
         """The barrier's step pre-hooks on the torch optimizers."""
-        self._at_exit = weakref.finalize(self, _close_folder, [None])
+        self._at_exit = weakref.finalize(self, close_folders, [None])
 
     # --- DeepSpeed's calls ----------------------------------------------------------------------------------
 
@@ -87,9 +87,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._info, self._files = info, {}
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """``save_dir`` is made; ``save_dir/<tag>`` is not: it becomes a link to the step once committed."""
+        """``save_dir`` is made; ``save_dir/<tag>`` is not: it becomes a link to the step once committed. While
+        :meth:`capture` runs nothing is."""
         info = self._info
-        if info is not None and os.path.abspath(path) == os.path.abspath(os.path.join(info.save_dir, info.tag)):
+        if self._capturing or (info is not None and
+                               os.path.abspath(path) == os.path.abspath(os.path.join(info.save_dir, info.tag))):
             return
         LocalStorage().make_dir(os.path.abspath(path))
 
@@ -106,9 +108,9 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location: Any = None) -> Any:
         tag_dir, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-        if not is_lazyckpt_tag(LocalStorage(), tag_dir):
+        step_dir = step_of_tag(LocalStorage(), tag_dir)
+        if step_dir is None:
             return self._torch.load(path, map_location=map_location)  # a checkpoint DeepSpeed wrote itself
-        step_dir = LocalStorage().resolve(tag_dir)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         for rank in dict.fromkeys((self._rank, 0, *range(self._world_size))):
             files = self._files_of(step_dir, rank, device)
@@ -138,16 +140,32 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     # --- the rest -------------------------------------------------------------------------------------------
 
+    def capture(self, save_dir: str, client_state: dict[str, Any]) -> dict[str, Any]:
+        """The files ``engine.save_checkpoint(save_dir, tag="checkpoint", client_state=...)`` hands over, by name,
+        without requesting a checkpoint of them: for an integration whose own session saves them with the rest of
+        its state (``{"tag": "checkpoint", "files": <this, per rank>}``; its tensors are copied lazily with
+        :func:`lazy_parts`). Every rank calls it (DeepSpeed meets the ranks inside); nothing is written but
+        DeepSpeed's ``zero_to_fp32.py`` into ``save_dir``."""
+        self.submit()
+        self._capturing = True
+        try:
+            self._engine().save_checkpoint(save_dir, tag=STEP_TAG, client_state=client_state)
+            files = self._files
+        finally:
+            self._capturing = False
+            self._info = self._files = None
+        return files
+
     def submit(self) -> PendingCheckpoint | None:
         """Request the checkpoint of the files DeepSpeed handed over since ``create()`` (once)."""
         info, files = self._info, self._files
-        if info is None or files is None:
+        if info is None or files is None or self._capturing:
             return None
         self._info = self._files = None
         engine = self._engine()
         step = int(engine.global_steps)
         folder = self._folder_for(info.save_dir)
-        return folder.save(step, info, files, _optimizers(engine), [engine.module])
+        return folder.save(step, info, files, *lazy_parts(engine))
 
     def barrier(self) -> None:
         """Before an update: wait while a copy still reads the weights (the base optimizer's step pre-hook)."""
@@ -162,7 +180,8 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._folder.finish()
         if self._rank == 0:
             load_dir = normalize_dirpath(load_dir)
-            repair_latest(LocalStorage(), load_dir, self._steps_dir or load_dir)
+            if not ensure_markers(load_dir, LocalStorage()):  # a step directory itself, or a save_dir of tags
+                repair_latest(LocalStorage(), load_dir, self._steps_dir or load_dir)
         if self._world_size > 1:
             torch.distributed.barrier()
 
@@ -184,7 +203,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Finish every checkpoint in flight, put ``latest`` in place, release the directory. Idempotent."""
         self.submit()
         folder, self._folder = self._folder, None
-        _close_folder([folder])
+        close_folders([folder])
 
     @property
     def in_flight(self) -> PendingCheckpoint | None:
@@ -211,85 +230,27 @@ class LazyCheckpointEngine(CheckpointEngine):
             self._loaded[key] = load(step_dir, map_location=device, verify=verify, rank=rank)["files"]
         return self._loaded[key]
 
-    def _folder_for(self, save_dir: str) -> _Folder:
+    def _folder_for(self, save_dir: str) -> TagFolder:
         """The folder of ``save_dir``; saving into another one first finishes and closes the current one."""
         save_dir = normalize_dirpath(save_dir)
         folder = self._folder
         if folder is None or folder.save_dir != save_dir:
-            _close_folder([folder])
+            close_folders([folder])
             self._folder = None
             steps_dir = self._steps_dir or save_dir
             session = CheckpointSession(steps_dir, self.options, rank=self._rank, world_size=self._world_size,
                                         engine_retention=False)
-            folder = self._folder = _Folder(session, save_dir)
+            folder = self._folder = TagFolder(session, save_dir)
             self._session = session
             self._at_exit.detach()
-            self._at_exit = weakref.finalize(self, _close_folder, [folder])
+            self._at_exit = weakref.finalize(self, close_folders, [folder])
         return folder
 
 
-class _Folder:
-    """One ``save_dir``: the session writing its steps, the tags as names of them, ``latest`` after each commit."""
-
-    def __init__(self, session: CheckpointSession, save_dir: str) -> None:
-        self.session, self.save_dir = session, save_dir
-        self._pending: tuple[dict[str, Any], dict[str, Any], list[Any], list[Any]] | None = None
-        self._tags: dict[int, tuple[str, bool]] = {}
-        """Each requested step's tag and whether ``latest`` should name it."""
-        self.names = CheckpointNames(session, self._request, names_dir=save_dir, before_names=self._markers)
-
-    def save(self, step: int, info: CheckpointCommitInfo, files: dict[str, Any], optimizers: list[Any],
-             immutable: list[Any]) -> PendingCheckpoint | None:
-        self._pending = ({"tag": info.tag}, {"files": files}, optimizers, immutable)
-        self._tags[step] = (info.tag, bool(info.save_latest))
-        with self.names.deciding():
-            self.names.plan(step, os.path.join(self.save_dir, info.tag))
-            self._retire_tags(self.session.options.keep_last_k)
-        self._latest(self.names.poll())
-        return self.session.last_request
-
-    def _request(self, step: int) -> PendingCheckpoint | None:
-        replicated, per_rank, optimizers, immutable = self._pending
-        self._pending = None
-        return self.session.save(step, replicated=replicated, per_rank=per_rank, optimizers=optimizers,
-                                 immutable=immutable)
-
-    def _retire_tags(self, keep: int | None) -> None:
-        """With ``keep_last_k``: the tags of steps beyond the newest k go once the new step commits."""
-        if keep is None:
-            return
-        kept = sorted(self._tags)[-keep:]
-        for step in [s for s in self._tags if s not in kept]:
-            tag, _ = self._tags.pop(step)
-            self.names.drop(os.path.join(self.save_dir, tag))
-
-    def _markers(self, step: int) -> None:
-        write_markers(os.path.join(self.session.dirpath, step_dirname(step)), self.session.storage)
-
-    def poll(self) -> None:
-        self._latest(self.names.poll())
-
-    def finish(self) -> None:
-        self._latest(self.names.poll(block=True))
-        self.session.engine.wait_staged()
-
-    def close(self) -> None:
-        try:
-            self._latest(self.names.poll(block=True))
-        finally:
-            self.names.close(raise_errors=True)
-
-    def _latest(self, committed: list[Any]) -> None:
-        """Rank 0: ``latest`` names the newest committed tag asked to be latest (after its link is in place)."""
-        named = [c.step for c in committed if self._tags.get(c.step, ("", False))[1]]
-        if named and self.session.rank == 0:
-            write_latest(self.session.storage, self.save_dir, self._tags[max(named)][0])
-
-
-def _close_folder(folders: list[_Folder | None]) -> None:
-    for folder in folders:
-        if folder is not None:
-            folder.close()
+def lazy_parts(engine: Any) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
+    """What stays unchanged until the base optimizer's next step, so its tensors are copied lazily: ``(optimizers,
+    immutable)`` for :meth:`~lazyckpt.LazyCheckpointer.save`."""
+    return _optimizers(engine), [engine.module]
 
 
 def _optimizers(engine: Any) -> list[torch.optim.Optimizer]:
