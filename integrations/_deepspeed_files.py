@@ -187,9 +187,11 @@ class TagFolder:
         if keep is None:
             return
         kept = sorted(self._tags)[-keep:]
+        kept_tags = {self._tags[s][0] for s in kept}  # a tag saved again (a fixed tag) now names a kept step
         for step in [s for s in self._tags if s not in kept]:
             tag, _ = self._tags.pop(step)
-            self.names.drop(os.path.join(self.save_dir, tag))
+            if tag not in kept_tags:
+                self.names.drop(os.path.join(self.save_dir, tag))
 
     def _markers(self, step: int) -> None:
         write_markers(os.path.join(self.session.dirpath, step_dirname(step)), self.session.storage)

@@ -100,6 +100,7 @@ def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, pla
     * ``crash-before-commit``: save at 2 (committed), then at 4 with a commit that ends the process.
     * ``resume-2``: resume; the state must be ``fp2`` at step 2, and ``latest`` names ``global_step2``.
     * ``resume-4``: resume; the state must be ``fp4`` at step 4, and ``latest`` names ``global_step4``.
+    * ``fixed-tag``: save at 2, 4, 6 and 8 under the one tag ``last`` (``keep_last_k=3``).
     * ``crash-after-commit``: save at 2 and 4, end the process once 4 is committed, before ``latest`` moves.
     """
     from lazyckpt.integrations.deepspeed import use_lazy_checkpoints
@@ -109,6 +110,12 @@ def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, pla
     lazy = use_lazy_checkpoints(engine, keep_last_k=3, **options)
     if plan.startswith("resume"):
         _resume(engine, rank, dirpath, out, plan)
+        return
+    if plan == "fixed-tag":  # one tag saved again and again, as a "last" checkpoint is
+        for step in (2, 4, 6, 8):
+            train(engine, rank, step)
+            engine.save_checkpoint(dirpath, tag="last")
+        lazy.close()
         return
     for step in (2, 4):
         train(engine, rank, step)

@@ -66,3 +66,11 @@ def test_a_crash_after_the_commit_resumes_from_it_though_latest_had_not_moved(tm
     _run(2, stage, tmp_path / "ckpt", tmp_path, "crash-after-commit", crash=True)
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
     _run(2, stage, tmp_path / "ckpt", tmp_path, "resume-4")
+
+
+def test_a_tag_saved_again_names_the_newest_step_and_retention_keeps_it(tmp_path):
+    _run(1, 2, tmp_path / "ckpt", tmp_path, "fixed-tag")
+    assert os.readlink(tmp_path / "ckpt" / "last") == "step-0000008"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "last"
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-0000004", "step-0000006",
+                                                                          "step-0000008"]  # keep_last_k=3
