@@ -100,8 +100,10 @@ def file_names(step_dir: str, storage: Storage) -> dict[int, list[str]]:
     return {rank: sorted(reader.outline(rank)["files"]) for rank in range(reader.world_size)}
 
 
-def saved_tag(step_dir: str, storage: Storage) -> str:
-    return CheckpointReader(step_dir, storage).outline(0)["tag"]
+def saved_tag(step_dir: str, storage: Storage) -> tuple[str, bool]:
+    """The tag a step was saved under, and whether that save asked to be ``latest``."""
+    outline = CheckpointReader(step_dir, storage).outline(0)
+    return outline["tag"], bool(outline.get("save_latest", True))
 
 
 def write_markers(step_dir: str, storage: Storage) -> None:
@@ -140,16 +142,19 @@ def read_latest(storage: Storage, save_dir: str) -> str | None:
 def repair_latest(storage: Storage, save_dir: str, steps_dir: str) -> str | None:
     """Rank 0, before DeepSpeed reads ``latest``: when the newest committed step of ``steps_dir`` is newer than
     the step ``latest`` names, put its markers, tag link and ``latest`` in place (a crash came between its commit
-    and those). Returns the tag it made ``latest``, or None when nothing needed doing."""
-    steps = committed_steps(steps_dir, storage)
-    if not steps:
-        return None
-    newest = max(steps)
+    and those); steps saved with ``save_latest=False`` are passed over. Returns the tag it made ``latest``, or None
+    when nothing needed doing."""
     current = read_latest(storage, save_dir)
-    if current is not None and alias_step(storage, os.path.join(save_dir, current)) == newest:
+    named = None if current is None else alias_step(storage, os.path.join(save_dir, current))
+    for step in sorted(committed_steps(steps_dir, storage), reverse=True):
+        if named is not None and step <= named:
+            return None
+        step_dir = os.path.join(steps_dir, step_dirname(step))
+        tag, asked = saved_tag(step_dir, storage)
+        if asked:  # a save with save_latest=False never becomes latest
+            break
+    else:
         return None
-    step_dir = os.path.join(steps_dir, step_dirname(newest))
-    tag = saved_tag(step_dir, storage)
     write_markers(step_dir, storage)
     link_alias(storage, os.path.join(save_dir, tag), step_dir)
     write_latest(storage, save_dir, tag)
@@ -168,12 +173,18 @@ class TagFolder:
 
     def save(self, step: int, info: Any, files: dict[str, Any], optimizers: list[Any],
              immutable: list[Any]) -> PendingCheckpoint | None:
-        self._pending = ({"tag": info.tag}, {"files": files}, optimizers, immutable)
+        known = self._tags.get(step)
+        if known is not None and known[0] != info.tag:
+            raise ValueError(f"LazyCheckpointEngine: save_checkpoint(tag={info.tag!r}) at global step {step}, "
+                             f"which this run saved already as tag {known[0]!r}; one lazyckpt step holds one tag: "
+                             "save again after the next engine.step(), or under the same tag")
+        self._pending = ({"tag": info.tag, "save_latest": bool(info.save_latest)}, {"files": files}, optimizers,
+                         immutable)
         self._tags[step] = (info.tag, bool(info.save_latest))
-        with self.names.deciding():
-            self.names.plan(step, os.path.join(self.save_dir, info.tag))
-            self._retire_tags(self.session.options.keep_last_k)
-        self._latest(self.names.poll())
+        self._latest(self.names.poll())  # what committed since: latest first moves to it
+        self.names.plan(step, os.path.join(self.save_dir, info.tag))
+        self._retire_tags(self.session.options.keep_last_k)
+        self._latest(self.names.submit())
         return self.session.last_request
 
     def _request(self, step: int) -> PendingCheckpoint | None:

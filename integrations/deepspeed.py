@@ -100,10 +100,12 @@ class LazyCheckpointEngine(CheckpointEngine):
             raise RuntimeError("LazyCheckpointEngine.save() outside engine.save_checkpoint(): DeepSpeed calls "
                                "create() first; save through engine.save_checkpoint(save_dir)")
         tag_dir = os.path.abspath(os.path.join(self._info.save_dir, self._info.tag))
-        if os.path.dirname(os.path.abspath(path)) != tag_dir:
-            raise ValueError(f"LazyCheckpointEngine: DeepSpeed saved {path!r} outside its tag's directory "
-                             f"{tag_dir!r}; lazyckpt stores a tag's files in one step directory (nested files, "
-                             "e.g. NVMe-offloaded tensors, are not supported)")
+        if os.path.dirname(os.path.abspath(path)) != tag_dir and not self._capturing:
+            # Not a tag's file: ``engine.save_16bit_model(dir)`` writes a plain model file into ``dir`` (and
+            # commits it at once). It is written as DeepSpeed's own engine writes it, and is no lazy checkpoint.
+            self._torch.save(state_dict, path)
+            self._info = self._files = None
+            return
         self._files[os.path.basename(path)] = encode_objects(state_dict)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -120,7 +122,9 @@ class LazyCheckpointEngine(CheckpointEngine):
                                 f"DeepSpeed file {name!r}; was it saved with another parallel layout?")
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        return True  # never called: get_commit_info() is None (see the module docstring)
+        """Only ``save_16bit_model`` calls it (synchronously, its file written already by :meth:`save`):
+        checkpoints are committed by lazyckpt, and ``get_commit_info()`` is None (see the module docstring)."""
+        return True
 
     def is_decoupled(self) -> bool:
         return True  # DeepSpeed then leaves ``latest`` to this engine
@@ -172,16 +176,18 @@ class LazyCheckpointEngine(CheckpointEngine):
         if self._folder is not None:
             self._folder.session.barrier()
 
-    def before_load(self, load_dir: str) -> None:
-        """Before ``engine.load_checkpoint(load_dir)``: finish this directory's saves, and on rank 0 bring
-        ``latest`` up to the newest committed step (all ranks then read the same ``latest``)."""
+    def before_load(self, load_dir: str, tag: str | None = None) -> None:
+        """Before ``engine.load_checkpoint(load_dir[, tag])``: finish this directory's saves, and on rank 0 bring
+        ``latest`` up to the newest committed step that asked to be latest (all ranks then read the same
+        ``latest``). Not for a ``tag`` given, nor with ``dirpath=`` (its steps may be other directories')."""
         self.submit()
         if self._folder is not None:
             self._folder.finish()
         if self._rank == 0:
             load_dir = normalize_dirpath(load_dir)
-            if not ensure_markers(load_dir, LocalStorage()):  # a step directory itself, or a save_dir of tags
-                repair_latest(LocalStorage(), load_dir, self._steps_dir or load_dir)
+            marked = ensure_markers(load_dir, LocalStorage())  # a step directory itself
+            if not marked and tag is None and self._steps_dir in (None, load_dir):
+                repair_latest(LocalStorage(), load_dir, load_dir)
         if self._world_size > 1:
             torch.distributed.barrier()
 
@@ -193,11 +199,13 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._info = self._files = None
 
     def wait(self) -> None:
-        """Block until every requested checkpoint is committed and ``latest`` names the newest (re-raises a
-        failure)."""
+        """Block until every requested checkpoint is committed and ``latest`` names the newest, on every rank
+        (re-raises a failure). Every rank calls it."""
         self.submit()
         if self._folder is not None:
             self._folder.finish()
+        if self._world_size > 1:
+            torch.distributed.barrier()  # rank 0 writes latest: the others return once it is there
 
     def close(self) -> None:
         """Finish every checkpoint in flight, put ``latest`` in place, release the directory. Idempotent."""
@@ -247,10 +255,12 @@ class LazyCheckpointEngine(CheckpointEngine):
         return folder
 
 
-def lazy_parts(engine: Any) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
+def lazy_parts(engine: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
     """What stays unchanged until the base optimizer's next step, so its tensors are copied lazily: ``(optimizers,
-    immutable)`` for :meth:`~lazyckpt.LazyCheckpointer.save`."""
-    return _optimizers(engine), [engine.module]
+    immutable)`` for :meth:`~lazyckpt.LazyCheckpointer.save`. ZeRO-3 empties the base optimizer's parameter groups
+    between steps, so its fp32 partitions are named here too (they change only inside the base step)."""
+    flat = list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [])
+    return _optimizers(engine), [engine.module, *flat]
 
 
 def _optimizers(engine: Any) -> list[torch.optim.Optimizer]:
@@ -291,10 +301,16 @@ def use_lazy_checkpoints(engine: Any, dirpath: str | os.PathLike[str] | None = N
     if isinstance(engine.checkpoint_engine, LazyCheckpointEngine):
         return engine.checkpoint_engine
     _refuse_unsupported(engine)
+    if getattr(engine, "optimizer", None) is not None and not _optimizers(engine):
+        raise ValueError(f"use_lazy_checkpoints: found no torch optimizer inside DeepSpeed's "
+                         f"{type(engine.optimizer).__name__}, so no barrier could hold the next update while a copy "
+                         "reads the weights; pass a torch.optim optimizer to deepspeed.initialize")
     lazy = LazyCheckpointEngine(engine, dirpath=dirpath, **options)
     engine.checkpoint_engine = lazy
     _wrap(engine, "save_checkpoint", before=None, after=lazy.submit, failed=lazy.discard)
     _wrap(engine, "load_checkpoint", before=lazy.before_load, after=lazy.after_load, failed=lazy.after_load)
+    # destroy() frees the optimizer's buffers before it calls cleanup(): the copies in flight end first
+    _wrap(engine, "destroy", before=lambda *_: lazy.close(), after=lambda: None, failed=lambda: None)
     barrier = weakly(lazy.barrier)
     lazy.hooks = [opt.register_step_pre_hook(lambda *_: barrier()) for opt in _optimizers(engine)]
     return lazy
@@ -317,12 +333,13 @@ def _wrap(engine: Any, method: str, *, before: Any, after: Any, failed: Any) -> 
     """``engine.<method>`` calls ``before(its directory argument)`` first, then ``after()`` or, if it raised, ``failed()``
     (the engine holds the checkpoint engine only weakly through these)."""
     original = getattr(engine, method)
-    before, after, failed = (None if f is None else weakly(f) for f in (before, after, failed))
+    before, after, failed = (f if f is None or not hasattr(f, "__self__") else weakly(f)
+                             for f in (before, after, failed))
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            before(args[0] if args else kwargs.get("load_dir"))
+        if before is not None:  # load_checkpoint(load_dir, tag=None, ...)
+            before(args[0] if args else kwargs.get("load_dir"), args[1] if len(args) > 1 else kwargs.get("tag"))
         try:
             result = original(*args, **kwargs)
         except BaseException:

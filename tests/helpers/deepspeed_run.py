@@ -91,6 +91,74 @@ def exit_at_commit(step: int):
     return ExitAtCommit()
 
 
+def edge_cases(rank: int, world_size: int, stage: int, dirpath: str, out: str) -> None:
+    """``save_latest=False``, a second tag at one step, and ``save_16bit_model`` next to lazy checkpoints."""
+    import pytest
+
+    from lazyckpt.integrations.deepspeed import use_lazy_checkpoints
+
+    engine = build(stage, rank, world_size)
+    lazy = use_lazy_checkpoints(engine)
+    train(engine, rank, 2)
+    engine.save_checkpoint(dirpath)
+    train(engine, rank, 4)
+    engine.save_checkpoint(dirpath, tag="eval", save_latest=False)
+    with pytest.raises(ValueError, match="at global step 4, which this run saved already as tag 'eval'"):
+        engine.save_checkpoint(dirpath, tag="other")
+    export = os.path.join(out, "export")
+    engine.save_16bit_model(export)  # a plain model file, written at once
+    assert os.listdir(export) == ["pytorch_model.bin"], os.listdir(export)
+    lazy.wait()
+    with open(os.path.join(dirpath, "latest")) as f:
+        assert f.read() == "global_step2"
+    train(engine, rank, 5)
+    lazy.close()
+    engine.load_checkpoint(dirpath)  # the repair passes over the save that did not ask to be latest
+    assert engine.global_steps == 2
+
+
+def gated_barrier(rank: int, world_size: int, stage: int, dirpath: str) -> None:
+    """The copy of the step-4 checkpoint is held at a gate that opens only once the next update has reached the
+    optimizer's step pre-hooks; a hook placed after the barrier's records whether every copy was done when the
+    update went on (without the barrier it would run while the copy is still at the gate)."""
+    import threading
+
+    from lazyckpt.integrations.deepspeed import use_lazy_checkpoints
+    from lazyckpt.write.staging.cpu import CpuCopyBackend
+
+    class Gate(CpuCopyBackend):
+        def __init__(self) -> None:
+            self.open, self.lock, self.started, self.done = threading.Event(), threading.Lock(), 0, 0
+
+        def copy_pieces(self, sources, pieces, slots):
+            with self.lock:
+                self.started += 1
+            self.open.wait()
+            result = super().copy_pieces(sources, pieces, slots)
+            with self.lock:
+                self.done += 1
+            return result
+
+    engine = build(stage, rank, world_size)
+    base = engine.optimizer.optimizer
+    arrived, seen, gate = threading.Event(), [], Gate()
+    base.register_step_pre_hook(lambda *_: arrived.set())  # before the barrier's hook (registered next)
+    lazy = use_lazy_checkpoints(engine, backend=gate)
+    base.register_step_pre_hook(lambda *_: seen.append((gate.started, gate.done)))  # after the barrier
+    gate.open.set()
+    train(engine, rank, 4)
+    gate.open.clear()
+    arrived.clear()
+    seen.clear()
+    engine.save_checkpoint(dirpath)
+    opener = threading.Thread(target=lambda: (arrived.wait(), gate.open.set()))
+    opener.start()
+    train(engine, rank, 5)
+    opener.join()
+    lazy.close()
+    assert seen and seen[0][0] > 0 and seen[0][0] == seen[0][1], seen  # every copy done before the update
+
+
 def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, plan: str) -> None:
     """``plan``:
 
@@ -129,8 +197,12 @@ def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, pla
         engine.checkpoint_engine = TorchCheckpointEngine(engine._config)  # its configured serialization
         engine.save_checkpoint(os.path.join(out, "torch-engine"))
         engine.checkpoint_engine = lazy
-    if plan == "crash-before-commit":
-        os._exit(CRASH_EXIT_CODE)  # rank 0 ends at its commit; this is rank 1, which saved its part
+    if plan == "crash-before-commit":  # rank 0 ends in the rename that would commit step 4 (ExitAtCommit)
+        try:
+            lazy.in_flight.wait()  # rank 1: its part is written; the commit never comes (rank 0 is gone)
+        except BaseException:  # noqa: BLE001 - the store went down with rank 0
+            pass
+        os._exit(CRASH_EXIT_CODE if rank == 1 else 1)  # rank 0 must not get here
     if plan == "crash-after-commit":
         lazy.in_flight.wait()
         torch.distributed.barrier()  # rank 0 hosts the store: it leaves once every rank saw the commit

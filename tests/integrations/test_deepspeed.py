@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import lazyckpt  # noqa: E402
-from helpers.deepspeed_run import CRASH_EXIT_CODE, scenario  # noqa: E402
+from helpers.deepspeed_run import CRASH_EXIT_CODE, edge_cases, gated_barrier, scenario  # noqa: E402
 from lazyckpt.integrations.deepspeed import consolidated_state  # noqa: E402
 from helpers.distributed import run_ranks  # noqa: E402
 
@@ -74,3 +74,12 @@ def test_a_tag_saved_again_names_the_newest_step_and_retention_keeps_it(tmp_path
     assert (tmp_path / "ckpt" / "latest").read_text() == "last"
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-0000004", "step-0000006",
                                                                           "step-0000008"]  # keep_last_k=3
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_next_update_waits_for_the_copy_at_the_base_optimizers_step(tmp_path, stage):
+    run_ranks(gated_barrier, 1, stage, str(tmp_path / "ckpt"))
+
+
+def test_save_latest_false_a_second_tag_at_one_step_and_save_16bit_model(tmp_path):
+    run_ranks(edge_cases, 1, 2, str(tmp_path / "ckpt"), str(tmp_path))
