@@ -349,3 +349,18 @@ def test_transformers_save_ratios_pair_the_runs_of_one_repeat(monkeypatch):
     # 55 ms > 800 / 20 ms; 20 ms <= 40 ms; 1.05 <= 1.05; 0 < 2000 ms, further apart than the noise (500 ms)
     assert [row["met"] for row in rows] == [False, True, True, True]
     assert rows[3]["noise"] == pytest.approx(500)
+
+
+# --- benchmarks/deepspeed_save.py: DeepSpeed's torch engine against LazyCheckpointEngine -----------------------------
+
+
+@pytest.mark.slow
+def test_deepspeed_save_small_verifies_both_engines_and_reports_the_ratio(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "deepspeed_save.py"), "--small", "--stages", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = json.loads(out.read_text())["table"]["1"]
+    assert set(table) == {"torch", "lazy"} and all(row["verified"] for row in table.values())
+    assert table["lazy"]["own_ms"] is not None and "lazy stall / torch engine stall" in proc.stdout
