@@ -43,7 +43,7 @@ from lazyckpt.ranks.group import rank_and_size
 from lazyckpt.read.load import load
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.storage import LocalStorage
-from lazyckpt.weak import weakly
+from lazyckpt.threads import weakly
 
 
 class LazyCheckpointEngine(CheckpointEngine):

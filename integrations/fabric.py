@@ -34,7 +34,7 @@ from lazyckpt.read.load import checkpoint_step, latest, load
 from lazyckpt.storage import FileKind, LocalStorage
 from lazyckpt.storage.base import kind_of
 from lazyckpt.storage.urls import is_url, join, options_for
-from lazyckpt.weak import weakly
+from lazyckpt.threads import weakly
 
 
 class LazyFabricIO(CheckpointIO):

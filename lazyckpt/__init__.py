@@ -11,7 +11,7 @@ The file tree is the pipeline (docs/design.md). Each package imports only from t
 
 | layer | package or module | owns |
 |---|---|---|
-| 0 | ``errors``, ``threads``, ``weak``, ``_version`` | every exception; how background threads start; calls that do not keep their object alive; the version |
+| 0 | ``errors``, ``threads``, ``_version`` | every exception; how background threads start (and calls that do not keep their owner alive); the version |
 | 1 | ``storage/`` | the one seam to files and objects |
 | 2 | ``config``, ``format/`` | the checkpointer's settings; the on-disk format in code |
 | 3 | ``tree/``, ``triton_kernels/`` | the state codec; the Triton copy kernels |

@@ -35,7 +35,7 @@ from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.ranks.group import default_store, rank_and_size
 from lazyckpt.ranks.rendezvous import Attempts
 from lazyckpt.storage import LocalStorage, Storage
-from lazyckpt.weak import weakly
+from lazyckpt.threads import weakly
 from lazyckpt.write.capture import capture_job
 from lazyckpt.write.commit import JobEnds
 from lazyckpt.write.copier import Copier

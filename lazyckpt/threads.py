@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,3 +65,16 @@ def lower_thread_priority(nice: int = WRITER_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., None]:
+    """A function calling the bound ``method`` with its arguments while its object lives, else nothing: writer
+    callbacks and global optimizer hooks that do not keep their owner alive (one dropped without ``close()`` is
+    freed, and its directory lock released, at once)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call

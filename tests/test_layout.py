@@ -28,7 +28,7 @@ SOURCES = {"lazyckpt": ROOT / "lazyckpt", "lazyckpt.triton_kernels": ROOT / "tri
            "lazyckpt.integrations": ROOT / "integrations"}
 
 LAYERS: list[tuple[str, ...]] = [
-    ("lazyckpt._version", "lazyckpt.errors", "lazyckpt.threads", "lazyckpt.weak"),
+    ("lazyckpt._version", "lazyckpt.errors", "lazyckpt.threads"),
     ("lazyckpt.storage",),
     ("lazyckpt.config", "lazyckpt.format"),
     ("lazyckpt.tree", "lazyckpt.triton_kernels"),
