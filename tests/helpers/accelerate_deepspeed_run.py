@@ -12,6 +12,9 @@ import torch
 from helpers.deepspeed_run import CRASH_EXIT_CODE, fingerprint
 
 STEPS_PER_EPOCH, EPOCHS = 8, 3
+CRASH_AFTER = {"crash-at-epoch-end": 9, "crash-mid-epoch": 13}
+"""The step each crashing plan ends after: the checkpoint of step 8 (an epoch's end) or 12 (mid-epoch) is the
+newest one then."""
 
 
 def _accelerator(stage: int, rank: int, world_size: int):
@@ -30,7 +33,8 @@ def _accelerator(stage: int, rank: int, world_size: int):
 
 
 def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, plan: str) -> None:
-    """``plan``: ``full`` (no crash), ``crash`` (hard exit after step 13), ``resume`` (from the newest step)."""
+    """``plan``: ``full`` (no crash), ``crash-at-epoch-end`` / ``crash-mid-epoch`` (hard exit once the checkpoint
+    of step 8 / 12 is committed), ``resume`` (from the newest step)."""
     from lazyckpt import LazyCheckpointHook
 
     accelerator = _accelerator(stage, rank, world_size)
@@ -54,7 +58,10 @@ def scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, pla
             sched.step()
             opt.zero_grad()
             step += 1
-            if plan == "crash" and step == 13:
+            if plan.startswith("crash") and step == CRASH_AFTER[plan]:
+                hook.close()  # the step before is committed: the resume starts there, whatever the machine's speed
+                if world_size > 1:
+                    torch.distributed.barrier()  # rank 0 hosts the store: it leaves once every rank closed
                 os._exit(CRASH_EXIT_CODE)
     hook.close()
     torch.save({**fingerprint(engine), "rng": torch.get_rng_state(), "step": torch.tensor(step)},
