@@ -25,7 +25,7 @@ class AccelerateRollback:
     def __init__(self, session: CheckpointSession, run: PreparedRun) -> None:
         accelerator = run.accelerator
         self.run = run
-        self.keep_start = session.engine.config.keep_in_memory
+        self.keep_start = session.engine.config.in_process_memory
         self.policy = RollbackPolicy.of_session(session, is_source=accelerator.process_index == 0,
                                                 share=_broadcast if accelerator.num_processes > 1 else None)
 

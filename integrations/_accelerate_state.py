@@ -97,7 +97,7 @@ class PreparedRun:
         models = [accelerator.unwrap_model(m, keep_torch_compile=False) for m in prepared.models]
         fsdp2 = sharded.is_fsdp2(accelerator)
         if fsdp2:
-            sharded.check_supported(models, keep_in_memory=bool(hook.options.engine.get("keep_in_memory")))
+            sharded.check_supported(models, keep_in_memory=hook.options.engine.get("keep_in_memory") is True)
         lazy = deepspeed.attach(prepared.models) if deepspeed.is_deepspeed(accelerator) else None
         return cls(accelerator=accelerator, models=models, prepared_optimizers=prepared.optimizers, hook=hook,
                    sharded=fsdp2, deepspeed=lazy, engine=prepared.models[0] if lazy is not None else None)

@@ -45,7 +45,9 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
         on_busy: a request while the previous checkpoint is still written: ``wait`` for it, or ``skip`` this one.
         engine_options: further ``lazyckpt.CheckpointConfig`` fields (``fsync``, ``verify_on_load``, ...).
         log_stats: send each checkpoint's stall, times and size, and the run's summary, to the trainer's loggers.
-        keep_in_memory: keep the newest snapshot in host memory too (docs/rollback.md).
+        keep_in_memory: ``True`` keeps the newest snapshot in host memory too (docs/rollback.md); ``"host"`` commits
+            each checkpoint first in shared memory that outlives a crashed process, then in ``dirpath``
+            (docs/memory.md).
         rollback_on_nonfinite: on a nan/inf training loss (any rank), restore model, optimizers, LR schedulers
             and AMP scaler from the newest snapshot before that step and go on (needs ``save_weights_only=False``).
         *args, **kwargs: every ``ModelCheckpoint`` argument, with its meaning, positional ones in its order
@@ -65,7 +67,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
                  host_buffer_bytes: int | None = None,
                  copy_backend: Literal["auto", "cpu", "cuda", "triton"] = "auto",
                  on_busy: Literal["wait", "skip"] = "wait", engine_options: EngineOptions | None = None,
-                 log_stats: bool = True, keep_in_memory: bool = False, rollback_on_nonfinite: bool = False,
+                 log_stats: bool = True, keep_in_memory: bool | Literal["host"] = False,
+                 rollback_on_nonfinite: bool = False,
                  **kwargs: Any) -> None:
         engine = {"host_buffer_bytes": host_buffer_bytes, "copy_backend": copy_backend, "on_busy": on_busy,
                   "keep_in_memory": keep_in_memory, **(engine_options or {})}
@@ -107,7 +110,8 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _compat.refuse_unsupported_strategy(self._namespace, trainer.strategy)
-        _compat.refuse_sharded_memory_level(trainer.strategy, keep_in_memory=self.options.engine["keep_in_memory"],
+        in_process = self.options.engine["keep_in_memory"] is True  # the host level is a directory: any strategy
+        _compat.refuse_sharded_memory_level(trainer.strategy, keep_in_memory=in_process,
                                             rollback_on_nonfinite=self.rollback_on_nonfinite)
         super().setup(trainer, pl_module, stage)
         self._trainer_ref = weakref.ref(trainer)

@@ -130,10 +130,29 @@ class CheckpointConfig:
     spool_dir: str | None = None
     """The node-local directory used when ``dirpath`` is a URL (default: a private one under the system temp
     directory)."""
-    keep_in_memory: bool = False
-    """Keep the newest committed snapshot in the host staging pool (the memory level, for a rollback without the
-    disk; see ``LazyCheckpointer.memory_snapshot``). The pool then holds two checkpoints: the newest and the one
-    being written, so ``host_buffer_bytes`` (None sizes it automatically) must have room for both."""
+    keep_in_memory: bool | str = False
+    """``True``: keep the newest committed snapshot in the host staging pool (the memory level, for a rollback
+    without the disk; see ``LazyCheckpointer.memory_snapshot``). The pool then holds two checkpoints: the newest and
+    the one being written, so ``host_buffer_bytes`` (None sizes it automatically) must have room for both.
+    ``"host"``: the host level (docs/memory.md): checkpoints commit first in shared memory that outlives the
+    training process (``host_memory_dir``), then are copied to ``dirpath`` in the background; a restart after a
+    crash commits a newer host snapshot to ``dirpath`` before anything else."""
+    host_memory_dir: str | None = None
+    """With ``keep_in_memory="host"``: the shared-memory directory (a tmpfs) the host level lives under; None is
+    ``/dev/shm/lazyckpt``. One folder per ``dirpath`` below it."""
+    keep_on_close: bool = False
+    """With ``keep_in_memory="host"``: a clean ``close()`` leaves the host copy in shared memory (default: frees it,
+    once every checkpoint is committed in ``dirpath``)."""
+
+    @property
+    def host_level(self) -> bool:
+        """``keep_in_memory="host"``: the shared-memory level that outlives the process."""
+        return self.keep_in_memory == "host"
+
+    @property
+    def in_process_memory(self) -> bool:
+        """``keep_in_memory=True``: the in-process memory level (a rollback from the staging pool)."""
+        return self.keep_in_memory is True
 
     def __post_init__(self) -> None:
         self.copy_backend = _parse_enum(CopyBackendName, "copy_backend", self.copy_backend)
@@ -147,7 +166,8 @@ class CheckpointConfig:
         if self.host_buffer_bytes is not None and self.host_buffer_bytes < (8 << 20):
             raise ValueError(f"host_buffer_bytes={self.host_buffer_bytes!r} must be at least 8 MiB (one staging "
                              "slot) or None (one checkpoint)")
-        if self.keep_in_memory and self.host_buffer_bytes is not None and self.host_buffer_bytes < (16 << 20):
+        _check_memory_options(self)
+        if self.keep_in_memory is True and self.host_buffer_bytes is not None and self.host_buffer_bytes < (16 << 20):
             raise ValueError(f"keep_in_memory=True needs host_buffer_bytes of at least 16 MiB (two staging slots, "
                              f"one per checkpoint held); got {self.host_buffer_bytes!r}. Raise it or pass None")
         if self.on_busy is OnBusy.SKIP and self.world_size > 1:
@@ -161,6 +181,21 @@ class CheckpointConfig:
         if self.min_free_bytes < 0:
             raise ValueError(f"min_free_bytes={self.min_free_bytes!r} must be >= 0")
         _check_remote_options(self)
+
+
+def _check_memory_options(config: CheckpointConfig) -> None:
+    """Raise ``ValueError`` naming the option, the value and the fix."""
+    if not (config.keep_in_memory is False or config.keep_in_memory is True or config.keep_in_memory == "host"):
+        raise ValueError(f"keep_in_memory={config.keep_in_memory!r} must be False, True (the in-process memory "
+                         "level) or 'host' (shared memory that outlives the process, docs/memory.md)")
+    for name in ("host_memory_dir", "keep_on_close"):
+        if getattr(config, name) not in (None, False) and not config.host_level:
+            raise ValueError(f"{name}={getattr(config, name)!r} applies to keep_in_memory='host' only; got "
+                             f"keep_in_memory={config.keep_in_memory!r}")
+    root = config.host_memory_dir
+    if root is not None and (not isinstance(root, (str, os.PathLike)) or is_url(root)):
+        raise ValueError(f"host_memory_dir={config.host_memory_dir!r} must be a local directory (a tmpfs such as "
+                         "/dev/shm/...), not a URL")
 
 
 def _check_remote_options(config: CheckpointConfig) -> None:

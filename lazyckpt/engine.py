@@ -28,6 +28,7 @@ from lazyckpt.config import CheckpointConfig, OnBusy, check_option_names, normal
 from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import CommittedSteps, DirectoryLock, meet_ranks
+from lazyckpt.levels.host import HostLevel
 from lazyckpt.levels.memory import MemoryLevel
 from lazyckpt.levels.remote.spool import split_levels
 from lazyckpt.levels.remote.upload import RemoteLevel, open_remote_level
@@ -79,8 +80,10 @@ class LazyCheckpointer:
         rank, world_size = rank_and_size(options.pop("rank", None), options.pop("world_size", None))
         self.config = CheckpointConfig(rank=rank, world_size=world_size, **options)
         self.dirpath = normalize_dirpath(dirpath)
-        if storage is None:  # a URL dirpath: a local spool directory, and the URL as the remote level
+        if storage is None:  # a URL dirpath (or the host level): a local spool directory before the remote level
             self.dirpath, self.config = split_levels(self.dirpath, self.config)
+        elif self.config.host_level:
+            raise ValueError("keep_in_memory='host' keeps its copies in local shared memory; drop storage=")
         self.storage: Storage = storage if storage is not None else LocalStorage()
         made = self.storage.stat(self.dirpath) is None
         self.storage.make_dir(self.dirpath)
@@ -92,6 +95,7 @@ class LazyCheckpointer:
                                           default_store() if store is GROUP_STORE else store)
             if self.remote is not None:
                 self.remote.meet_through(self._rendezvous)
+            self._host = HostLevel.attach(self.dirpath, self.config, self.storage, self.remote)  # None without it
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
             if getattr(self, "_rendezvous", None) is not None:
@@ -101,7 +105,7 @@ class LazyCheckpointer:
         self._backend: CopyBackend | None = backend
         self._copier: Copier | None = None
         self._inflight = InFlight()
-        self._memory = MemoryLevel() if self.config.keep_in_memory else None
+        self._memory = MemoryLevel() if self.config.in_process_memory else None
         """The memory level (``keep_in_memory=True``): the newest committed snapshot, kept in the staging pool."""
         self.stats = StatsLog()
         """The newest committed checkpoints' :class:`~lazyckpt.CheckpointStats` (a bounded window, iterable and
@@ -177,6 +181,8 @@ class LazyCheckpointer:
             self._memory.check_budget(job, self.config.host_buffer_bytes)
             self._memory.begin(job)
         self._backend.on_request([t for e, t in zip(job.entries, job.sources) if e.lazy])
+        if self._host is not None:
+            self._host.before_save(job)  # at most two snapshots in shared memory
         upload = self.remote.ticket(job) if self.remote is not None else None
         pending = PendingCheckpoint(self._ends.barrier, job, step, upload)
         self._inflight.add(job, pending)
@@ -221,8 +227,7 @@ class LazyCheckpointer:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
 
         Needs ``keep_in_memory=True``. The bytes are copied out of the staging pool and checked against their
-        checksums; the checkpoint being written goes on (with ``into``, one still being copied is staged first). Load the state with the usual
-        ``load_state_dict`` calls.
+        checksums; the checkpoint being written goes on. Load the state with the usual ``load_state_dict`` calls.
 
         Args:
             into: the live state, e.g. ``{"model": model.state_dict(), "opt": opt.state_dict()}`` (the structure
@@ -277,6 +282,8 @@ class LazyCheckpointer:
             if self.remote is not None:
                 self.remote.close()
                 self._purge_after_uploads()
+            if self._host is not None:
+                self._host.close(leader=self._steps.leads)
         finally:
             self._closed = True
             _OPEN.discard(self)
@@ -287,6 +294,8 @@ class LazyCheckpointer:
             if self._rendezvous is not None:
                 self._rendezvous.close()  # after the drain: a peer still waiting for this rank gives up now
             self._lock.release(tidy=True)  # a directory made for a job that saved nothing goes too
+            if self._host is not None:
+                self._host.tidy()
         if (error := self._earlier_failure()) is not None:
             raise error
 

@@ -23,6 +23,14 @@ SUPERSEDED_SUFFIX = ".superseded"
 """A committed checkpoint moved aside (``on_older_step="move_aside"``): kept, never read by ``latest()``."""
 
 
+def step_of_dir(path: str) -> int:
+    """The step of a ``.../step-NNNNNNN`` checkpoint directory (or URL)."""
+    match = STEP_DIR.fullmatch(path.rstrip("/").rsplit("/", 1)[-1])
+    if match is None:
+        raise ValueError(f"{path!r} is not a step-NNNNNNN checkpoint directory")
+    return int(match.group(1))
+
+
 def step_dirname(step: int) -> str:
     return f"step-{step:07d}"
 

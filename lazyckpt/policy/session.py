@@ -73,7 +73,7 @@ class CheckpointSession:
         # With the process group's store the ranks save one global state: the engine splits the replicated
         # tensors across ranks by bytes. Without one (no group), rank 0 writes the replicated state itself; so it
         # does with keep_in_memory, whose host copy (what a rollback restores from rank 0) is what each rank wrote.
-        split = world_size > 1 and not options.engine.get("keep_in_memory", False)
+        split = world_size > 1 and options.engine.get("keep_in_memory", False) is not True
         self._store = default_store() if split else None
         self.engine = LazyCheckpointer(self.dirpath, store=self._store, **arguments)
         self._stalls: dict[int, float] = {}

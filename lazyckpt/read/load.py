@@ -22,20 +22,27 @@ import torch
 
 from lazyckpt.errors import CheckpointNotFoundError
 from lazyckpt.format.catalog import newest_committed
-from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX
+from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, step_of_dir
 from lazyckpt.read.reader import CheckpointReader, Progress
 from lazyckpt.read.shard_files import ShardFiles
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
-from lazyckpt.storage.urls import reads_url, storage_for
+from lazyckpt.storage.urls import host_dir, reads_url, storage_for
 from lazyckpt.tree.decode import unflatten, with_aliases
 
 
 @reads_url("dirpath")
 def latest(dirpath: str | os.PathLike[str], *, storage: Storage | None = None,
-           storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none."""
+           storage_options: dict[str, Any] | None = None, host_memory_dir: str | None = None) -> str | None:
+    """The newest committed checkpoint directory (or URL) under ``dirpath``, or ``None`` when there is none.
+
+    For a local ``dirpath``, a newer step in its host folder (``keep_in_memory="host"``: committed in shared memory
+    under ``host_memory_dir``, None for the default root, before the crash that kept it from ``dirpath``) is that
+    checkpoint; when both hold the newest step, ``dirpath``'s copy is given."""
     path, storage = storage_for(dirpath, storage, storage_options)
-    return newest_committed(storage if storage is not None else LocalStorage(), path)
+    if storage is not None:
+        return newest_committed(storage, path)
+    local, host = (newest_committed(LocalStorage(), where) for where in (path, host_dir(path, host_memory_dir)))
+    return host if host is not None and (local is None or step_of_dir(host) > step_of_dir(local)) else local
 
 
 @reads_url("path")

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from lazyckpt.storage._direct import fsync_path, pwrite_all
+from lazyckpt.storage._direct import fsync_dir, fsync_path, pwrite_all
 from lazyckpt.storage.base import Buffer, FileInfo, FileKind
 
 PART_BYTES = 64 << 20
@@ -64,6 +64,9 @@ class FsspecStorage:
         self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.protocol = url.split("://", 1)[0]
         self._is_s3 = self.protocol in ("s3", "s3a")
+        self._local_files = self.protocol in ("file", "local")
+        """``file://``: this machine's files (a shared mount, or the host level's ``dirpath``), synced like
+        :class:`~lazyckpt.storage.LocalStorage`'s."""
 
     def _path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
@@ -88,7 +91,16 @@ class FsspecStorage:
         """Stream a local file to ``path`` in multipart pieces, never holding the whole file in memory."""
         kwargs = {"chunksize": PART_BYTES, "max_concurrency": MAX_CONCURRENCY} if self._is_s3 else {}
         self._make_parent(path)
-        self.fs.put_file(local_path, self._path(path), **kwargs)
+        if not self._local_files:
+            self.fs.put_file(local_path, self._path(path), **kwargs)
+            return
+        # A file system, not an object store: whole or absent (a torn commit object must not read as a commit),
+        # and durable only once synced, its directory entry too.
+        tmp = f"{self._path(path)}.{secrets.token_hex(6)}.tmp"
+        self.fs.put_file(local_path, tmp)
+        fsync_path(tmp)
+        self.fs.mv(tmp, self._path(path))
+        fsync_dir(self.fs._parent(self._path(path)))
 
     def download_file(self, path: str, local_path: str) -> None:
         """Stream the object ``path`` into the local file ``local_path``, durable when this returns (a fetched
@@ -107,7 +119,11 @@ class FsspecStorage:
         if self.protocol == "file":  # a shared file system: readers could see a half-written file, so rename
             tmp = f"{self._path(path)}.{secrets.token_hex(6)}.tmp"  # a fresh name: nothing planted is written through
             self.fs.pipe_file(tmp, data)
+            if sync:
+                fsync_path(tmp)
             self.fs.mv(tmp, self._path(path))
+            if sync:
+                fsync_dir(self.fs._parent(self._path(path)))
         else:  # one PUT: readers see all of the object or none of it
             self.fs.pipe_file(self._path(path), data)
 

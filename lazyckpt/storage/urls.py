@@ -100,6 +100,19 @@ def default_spool_dir(url: str) -> str:
     return os.path.join(tempfile.gettempdir(), "lazyckpt-spool", digest)
 
 
+DEFAULT_HOST_ROOT = "/dev/shm/lazyckpt"
+"""Where ``keep_in_memory="host"`` keeps its copies when ``host_memory_dir`` is not given: the tmpfs every Linux
+machine mounts, which outlives a process (not a reboot)."""
+
+
+def host_dir(dirpath: str, root: str | os.PathLike[str] | None) -> str:
+    """The host level's folder for the local ``dirpath`` under ``root`` (None: :data:`DEFAULT_HOST_ROOT`): one per
+    directory, so the ranks of one node share it, a restarted job finds its predecessor's, and two runs never
+    meet."""
+    digest = hashlib.sha256(os.path.abspath(dirpath).encode("utf-8")).hexdigest()[:16]
+    return os.path.join(os.path.abspath(os.fspath(root)) if root is not None else DEFAULT_HOST_ROOT, digest)
+
+
 def storage_for(path: str | os.PathLike[str], storage: Storage | None,
                 storage_options: dict[str, Any] | None) -> tuple[str, Storage | None]:
     """``(path, storage)`` to read ``path`` through: the caller's ``storage`` when given (it receives the path as

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from lazyckpt.levels.host import split_host_level
 from lazyckpt.storage.urls import default_spool_dir, is_url
 
 if TYPE_CHECKING:
@@ -16,8 +17,12 @@ def split_levels(dirpath: str, config: CheckpointConfig) -> tuple[str, Checkpoin
     """For a URL ``dirpath``: the local spool directory and a config whose remote level is that URL.
 
     Every checkpoint goes remote and the user's ``keep_last_k`` applies there; the spool keeps only the newest
-    checkpoint (plus any still uploading). A local ``dirpath`` is returned unchanged.
+    checkpoint (plus any still uploading). With ``keep_in_memory="host"`` the local level is ``dirpath``'s host
+    folder and the remote level ``dirpath`` itself (:mod:`lazyckpt.levels.host`). Any other local ``dirpath`` is
+    returned unchanged.
     """
+    if config.host_level:
+        return split_host_level(dirpath, config)
     if not is_url(dirpath):
         return dirpath, config
     if config.remote is not None and config.remote != dirpath:

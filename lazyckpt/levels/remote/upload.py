@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lazyckpt.format.catalog import is_committed
+from lazyckpt.format.catalog import committed_steps, is_committed
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, rank_members, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
@@ -175,6 +175,33 @@ class RemoteLevel:
             self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=UPLOAD_NICE)
         self._queue.put((upload, local_dir))
 
+    def recover(self, local_root: str) -> list[int]:
+        """Upload now, on every rank together, the committed local steps due here that are newer than the newest
+        committed here: a crash came between their local commit and their upload (the host level commits a
+        snapshot in shared memory first; ``dirpath`` must not lose it). Returns those steps, oldest first."""
+        local = committed_steps(local_root, self.local)
+        newest_here = max(remote_steps(self.storage, self.url)[0], default=-1)
+        due = sorted(s for s in local if s > newest_here and s % self.every_n == 0)
+        for step in due:
+            url = join(self.url, step_dirname(step))
+            self._upload_step(url, local[step], upload_attempt(f"recover-{step}", False))
+            logger.warning("lazyckpt: step %d was committed in %s but not yet in %s when the last run ended; it "
+                           "is committed there now", step, local_root, self.url)
+        if due and self.rank == 0:
+            self._prune(due[-1])
+        return due
+
+    def wait_backlog(self, keep: int) -> None:
+        """Wait until at most ``keep`` registered uploads are unfinished, the oldest going first (the host level
+        holds two snapshots: a new save waits while the copy to ``dirpath`` lags behind)."""
+        with self._lock:
+            ordered = sorted(self._uploads.values(), key=lambda u: u.step)
+        for upload in ordered[:max(len(ordered) - keep, 0)]:
+            upload.job.wait_done()
+            if upload.job.error is not None:  # never committed locally: nothing to upload
+                self.cancel(upload.step)
+            upload.done.wait()
+
     def cancel(self, step: int) -> None:
         """The local checkpoint of ``step`` failed: there is nothing to upload (its own error is reported)."""
         with self._lock:
@@ -203,11 +230,7 @@ class RemoteLevel:
 
     def drain(self) -> None:
         """Wait until every queued upload is finished (committed or failed)."""
-        for upload in list(self._uploads.values()):
-            upload.job.wait_done()
-            if upload.job.error is not None:  # never committed locally: nothing to upload
-                self.cancel(upload.step)
-            upload.done.wait()
+        self.wait_backlog(0)
 
     def close(self) -> None:
         self.drain()
@@ -274,12 +297,14 @@ class RemoteLevel:
         """This rank's files, then the meeting after which rank 0 writes the commit object; returns the bytes."""
         if upload.retry and self._committed_already(upload.url, local_dir):
             return 0  # only this rank gave up on the first try, after rank 0 had committed it
-        attempt = upload_attempt(upload.job.attempt, upload.retry)
+        return self._upload_step(upload.url, local_dir, upload_attempt(upload.job.attempt, upload.retry))
+
+    def _upload_step(self, step_url: str, local_dir: str, attempt: str) -> int:
         try:
-            nbytes = sum(self._copy(os.path.join(local_dir, name), join(upload.url, name))
+            nbytes = sum(self._copy(os.path.join(local_dir, name), join(step_url, name))
                          for name in self._own_files(local_dir))
-            return nbytes + self.meeting.commit(attempt, upload.url, local_dir,
-                                                lambda: self._write_commit(upload.url, local_dir))
+            return nbytes + self.meeting.commit(attempt, step_url, local_dir,
+                                                lambda: self._write_commit(step_url, local_dir))
         except BaseException as e:
             self.meeting.give_up(attempt, e)
             raise

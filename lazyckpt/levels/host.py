@@ -1,0 +1,244 @@
+"""The host level (``keep_in_memory="host"``): checkpoints commit first in shared memory that outlives the process.
+
+Most failures kill the training process, not the machine. With the host level, ``dirpath``'s checkpoints are
+written and committed first in a folder of a tmpfs (``host_memory_dir``, default ``/dev/shm/lazyckpt``, one
+folder per ``dirpath``), by the same writer and commit protocol as any local directory, so they are complete
+(every chunk written, its checksum in the rank manifest, the commit object last) within memory-copy time. The
+remote level's uploader then copies each committed step to ``dirpath`` itself (``file://``, synced file by file,
+the commit object written atomically last): ``dirpath`` is the disk level behind it, with the user's
+``keep_last_k``; the host folder keeps the newest step (plus the one being copied). A save waits while the copy to
+disk lags two snapshots behind, so the host folder holds at most two.
+
+After a crash (SIGKILL at any moment) the host folder is still there. The next ``LazyCheckpointer`` of the same
+``dirpath`` with ``keep_in_memory="host"`` commits any host step newer than ``dirpath``'s newest to ``dirpath``
+first (:meth:`~lazyckpt.levels.remote.upload.RemoteLevel.recover`), then removes what the crash tore (a step
+without its commit object is never loaded). Resuming then reads the host copy, every chunk checked.
+
+A clean ``close()`` frees the folder once every step is committed in ``dirpath`` (``keep_on_close=True`` keeps
+it). :func:`host_folders` lists the folders under a root, whose job is alive, and their sizes (``lazyckpt memory
+ls``); :func:`clear_host_folders` frees those of dead jobs (``lazyckpt memory clear``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lazyckpt.format.catalog import committed_steps
+from lazyckpt.levels.directory import DirectoryLock
+from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
+from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, is_url
+
+if TYPE_CHECKING:
+    from lazyckpt.config import CheckpointConfig
+    from lazyckpt.levels.remote.upload import RemoteLevel
+    from lazyckpt.write.job import CheckpointJob
+
+logger = logging.getLogger(__name__)
+
+OWNER_NOTE = ".host-owner.json"
+"""In each host folder: the ``dirpath`` it belongs to (a folder is named by a hash of it)."""
+FILE_URL = "file://"
+
+
+def split_host_level(dirpath: str, config: CheckpointConfig) -> tuple[str, CheckpointConfig]:
+    """For ``keep_in_memory="host"``: the host folder of ``dirpath`` and a config whose remote level is
+    ``dirpath`` itself (with the user's ``keep_last_k``); the host folder keeps the newest step.
+
+    Raises:
+        ValueError: ``dirpath`` is a URL, or the default root does not exist (no ``/dev/shm``).
+    """
+    root = config.host_memory_dir
+    if config.remote is not None and config.remote.startswith(FILE_URL) and host_dir(disk_dir(config), root) == dirpath:
+        return dirpath, config  # split already (an integration hands its engine the split it made)
+    if is_url(dirpath) or config.remote is not None:
+        raise ValueError(f"keep_in_memory='host' with dirpath={dirpath!r} and remote={config.remote!r}: a host "
+                         "level in front of a remote level is not supported yet; pass a local dirpath and no remote")
+    if root is None and kind_of(LocalStorage(), os.path.dirname(DEFAULT_HOST_ROOT)) is not FileKind.DIR:
+        raise ValueError(f"keep_in_memory='host' keeps its copies under {DEFAULT_HOST_ROOT} by default, and this "
+                         "machine has no /dev/shm; pass host_memory_dir= a tmpfs directory")
+    folder = host_dir(dirpath, root)
+    return folder, dataclasses.replace(config, remote=FILE_URL + dirpath, remote_keep_last_k=config.keep_last_k,
+                                       remote_every_n=1, keep_last_k=1)
+
+
+def disk_dir(config: CheckpointConfig) -> str:
+    """The user's ``dirpath`` behind the host level (its remote level's ``file://`` URL, as a path)."""
+    assert config.remote is not None and config.remote.startswith(FILE_URL)
+    return config.remote[len(FILE_URL):]
+
+
+class HostLevel:
+    """One checkpointer's host folder: opened after the remote level, consulted before each save, freed at close.
+
+    Args:
+        folder: the host folder (the checkpointer's local directory).
+        config: the checkpointer's config (after :func:`split_host_level`).
+        storage: the local storage of both the folder and ``dirpath``.
+        remote: the remote level that copies each step to ``dirpath``.
+    """
+
+    def __init__(self, folder: str, config: CheckpointConfig, storage: Storage, remote: RemoteLevel) -> None:
+        self.folder, self.dirpath, self.config = folder, disk_dir(config), config
+        self.storage, self.remote = storage, remote
+        _check_owner(folder, self.dirpath, storage)
+        made = storage.stat(self.dirpath) is None
+        storage.make_dir(self.dirpath)
+        # dirpath is this job's too: a checkpointer writing it without the host level is refused, as is a second one
+        self._disk_lock = DirectoryLock(self.dirpath, config.rank, storage, config.world_size, made=made)
+        self._budget_checked = False
+
+    @classmethod
+    def attach(cls, folder: str, config: CheckpointConfig, storage: Storage,
+             remote: RemoteLevel | None) -> HostLevel | None:
+        """The host level of a checkpointer (None without ``keep_in_memory="host"``), once every host step newer
+        than ``dirpath``'s newest is committed in ``dirpath`` (collective: every rank opens it)."""
+        if not config.host_level:
+            return None
+        assert remote is not None, "split_host_level() makes dirpath the remote level"
+        level = cls(folder, config, storage, remote)
+        try:
+            level.remote.recover(folder)
+        except BaseException:
+            level._disk_lock.release()
+            raise
+        return level
+
+    def before_save(self, job: CheckpointJob) -> None:
+        """Before ``job`` is registered for its copy to disk: check once that two snapshots fit in the host
+        folder's file system, and let at most one earlier copy to disk be unfinished (double buffering)."""
+        if not self._budget_checked:
+            _check_room(self.folder, self.storage, _job_bytes(job))
+            self._budget_checked = True
+        self.remote.wait_backlog(1)
+
+    def close(self, *, leader: bool) -> None:
+        """After the last copy to disk ended: free the host folder (the leader removes every step that ``dirpath``
+        holds committed; a step it does not hold stays, for the next run to commit), unless ``keep_on_close``."""
+        self._disk_lock.release(tidy=True)
+        if self.config.keep_on_close or not leader:
+            return
+        on_disk = committed_steps(self.dirpath, self.storage)
+        kept = []
+        for step, path in committed_steps(self.folder, self.storage).items():
+            if step in on_disk:
+                self.storage.remove_tree(path)
+            else:
+                kept.append(step)
+        if kept:
+            logger.warning("lazyckpt: steps %s are committed in the host folder %s but not in %s; kept there for "
+                           "the next run to commit", kept, self.folder, self.dirpath)
+
+    def tidy(self) -> None:
+        """After the folder's lock is released: remove the folder when nothing of a checkpoint is left in it."""
+        names = self.storage.list_dir(self.folder) if self.storage.stat(self.folder) is not None else []
+        if not self.config.keep_on_close and all(n == OWNER_NOTE or n.startswith(".lock-rank") for n in names):
+            self.storage.remove_tree(self.folder)
+
+
+def _check_owner(folder: str, dirpath: str, storage: Storage) -> None:
+    """Write the owner note, or refuse a folder that belongs to another ``dirpath``."""
+    note = os.path.join(folder, OWNER_NOTE)
+    if storage.stat(note) is not None:
+        owner = json.loads(storage.read_bytes(note, max_bytes=1 << 16)).get("dirpath")
+        if owner != dirpath:
+            raise ValueError(f"the host folder {folder} belongs to dirpath={owner!r}, not {dirpath!r}; free it with "
+                             "`lazyckpt memory clear` or pass another host_memory_dir")
+        return
+    data = {"dirpath": dirpath, "host": socket.gethostname(), "created": time.time()}
+    storage.write_atomic(note, json.dumps(data).encode(), sync=False)
+
+
+def _job_bytes(job: CheckpointJob) -> int:
+    return len(job.header) + sum(entry.nbytes for entry in job.entries)
+
+
+def _check_room(folder: str, storage: Storage, snapshot_bytes: int) -> None:
+    held = sum(_tree_bytes(storage, path) for path in committed_steps(folder, storage).values())
+    room = storage.free_bytes(folder) + held
+    if room < 2 * snapshot_bytes:
+        raise ValueError(
+            f"keep_in_memory='host' holds two snapshots of {snapshot_bytes / 2**20:.1f} MiB in {folder}, and its file "
+            f"system has room for {room / 2**20:.1f} MiB; enlarge it (e.g. mount /dev/shm with a larger size=), pass "
+            "host_memory_dir= a larger tmpfs, or use keep_in_memory=False")
+
+
+def _tree_bytes(storage: Storage, path: str) -> int:
+    total = 0
+    for name in storage.list_dir(path):
+        info = storage.stat(os.path.join(path, name))
+        total += info.size if info is not None else 0
+    return total
+
+
+@dataclass(frozen=True)
+class HostFolder:
+    """One host folder as ``lazyckpt memory ls`` shows it."""
+
+    path: str
+    dirpath: str | None
+    live: bool
+    """A process holds one of its locks (a running job)."""
+    nbytes: int
+    steps: list[int]
+    unsaved: list[int]
+    """Committed here but not in ``dirpath``: a crash came before their copy to disk."""
+
+
+def host_folders(root: str | None = None, storage: Storage | None = None) -> list[HostFolder]:
+    """The host folders under ``root`` (None: the default root), each with its job's liveness and size."""
+    storage = storage or LocalStorage()
+    root = os.path.dirname(host_dir("/", root))
+    if storage.stat(root) is None:
+        return []
+    found = []
+    for name in sorted(storage.list_dir(root)):
+        path = os.path.join(root, name)
+        dirpath = _owner(storage, path)
+        steps = committed_steps(path, storage)
+        on_disk = committed_steps(dirpath, storage) if dirpath and storage.stat(dirpath) is not None else {}
+        nbytes = sum(_tree_bytes(storage, os.path.join(path, n)) for n in storage.list_dir(path)
+                     if kind_of(storage, os.path.join(path, n)) is FileKind.DIR)
+        found.append(HostFolder(path, dirpath, _live(storage, path), nbytes, sorted(steps),
+                                sorted(s for s in steps if s not in on_disk)))
+    return found
+
+
+def clear_host_folders(root: str | None = None, *, discard: bool = False,
+                       storage: Storage | None = None) -> tuple[list[HostFolder], list[HostFolder]]:
+    """Free the host folders of dead jobs; ``(freed, kept)``. A folder holding a step ``dirpath`` lacks is kept
+    (open its ``dirpath`` with ``keep_in_memory="host"`` once to commit it) unless ``discard``."""
+    storage = storage or LocalStorage()
+    freed, kept = [], []
+    for folder in host_folders(root, storage):
+        if folder.live or (folder.unsaved and not discard):
+            kept.append(folder)
+            continue
+        storage.remove_tree(folder.path)
+        freed.append(folder)
+    return freed, kept
+
+
+def _owner(storage: Storage, folder: str) -> str | None:
+    try:
+        return json.loads(storage.read_bytes(os.path.join(folder, OWNER_NOTE), max_bytes=1 << 16)).get("dirpath")
+    except (OSError, ValueError):
+        return None
+
+
+def _live(storage: Storage, folder: str) -> bool:
+    """True when a process holds one of the folder's rank locks (the kernel drops them when it dies)."""
+    for name in storage.list_dir(folder):
+        if not name.startswith(".lock-rank"):
+            continue
+        try:
+            storage.lock(os.path.join(folder, name)).release()
+        except BlockingIOError:
+            return True
+    return False
