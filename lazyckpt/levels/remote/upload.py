@@ -23,12 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.format.catalog import committed_steps, is_committed
 from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, rank_members, step_dirname
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_attempt
 from lazyckpt.levels.retention import steps_to_purge
+from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.storage.urls import join, unreachable
@@ -183,8 +185,14 @@ class RemoteLevel:
         newest_here = max(remote_steps(self.storage, self.url)[0], default=-1)
         due = sorted(s for s in local if s > newest_here and s % self.every_n == 0)
         for step in due:
-            url = join(self.url, step_dirname(step))
-            self._upload_step(url, local[step], upload_attempt(f"recover-{step}", False))
+            url, attempt = join(self.url, step_dirname(step)), upload_attempt(f"recover-{step}", False)
+            try:
+                self._upload_step(url, local[step], attempt, check=True)
+            except CheckpointFormatError as e:  # this rank's copy is damaged: it must never load, nor go up
+                remove_remote_step(self.local, local[step])
+                logger.error("lazyckpt: step %d in %s fails its checks (%s); it is not committed in %s and is "
+                             "removed", step, local_root, e, self.url)
+                continue
             logger.warning("lazyckpt: step %d was committed in %s but not yet in %s when the last run ended; it "
                            "is committed there now", step, local_root, self.url)
         if due and self.rank == 0:
@@ -299,8 +307,11 @@ class RemoteLevel:
             return 0  # only this rank gave up on the first try, after rank 0 had committed it
         return self._upload_step(upload.url, local_dir, upload_attempt(upload.job.attempt, upload.retry))
 
-    def _upload_step(self, step_url: str, local_dir: str, attempt: str) -> int:
+    def _upload_step(self, step_url: str, local_dir: str, attempt: str, *, check: bool = False) -> int:
+        """``check``: first run every check a load runs on this rank's files (a copy that outlived its process)."""
         try:
+            if check:
+                CheckpointReader(local_dir, self.local).check_rank(self.rank)
             nbytes = sum(self._copy(os.path.join(local_dir, name), join(step_url, name))
                          for name in self._own_files(local_dir))
             return nbytes + self.meeting.commit(attempt, step_url, local_dir,
