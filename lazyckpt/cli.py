@@ -8,6 +8,8 @@ Example:
     $ lazyckpt verify runs/ckpt/step-0000120
     $ lazyckpt export runs/ckpt/last.ckpt out/model.safetensors --format safetensors
     $ lazyckpt export hf-run/checkpoint-6 handed-over --format transformers
+    $ lazyckpt memory ls                      # the host folders of keep_in_memory="host" (docs/memory.md)
+    $ lazyckpt memory clear                   # free those of dead jobs
 """
 
 from __future__ import annotations
@@ -29,17 +31,17 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError, RemoteUnreachableError
+from lazyckpt.errors import CheckpointFormatError, CheckpointNotFoundError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST
 from lazyckpt.interop.export import FORMATS, export
+from lazyckpt.interop.lightning_format import monitored_scores
 from lazyckpt.levels.aliases import alias_step
+from lazyckpt.levels.host import clear_host_folders, host_folders
 from lazyckpt.read.reader import CheckpointReader
-from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import FileKind, LocalStorage, Storage
 from lazyckpt.storage.metered import MeteredReads
-from lazyckpt.storage.urls import is_url, join, reaching
-from lazyckpt.tree.decode import unflatten
+from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_root, is_url, join, reaching
 
 PROGRESS_MIN_BYTES = 256 << 20
 """``verify`` shows a progress bar from this many tensor bytes on (smaller ones finish before it would draw)."""
@@ -101,7 +103,7 @@ class _Cli:
         for step, path in sorted(steps.items()):
             labels = ", ".join(sorted(names.get(step, []))) + (" (latest)" if step == newest else "")
             rows.append([str(step), Text(os.path.basename(path)), Text(labels.strip()), self._committed_at(path),
-                         human_size(self._size(path)), Text(self._monitored(path, names.get(step, [])))])
+                         human_size(_file_bytes(self.storage, path)), Text(self._monitored(path, names.get(step, [])))])
         columns = ["step", "directory", "names", "committed", "size", "monitored"]
         if not any(row[-1].plain for row in rows):  # no ModelCheckpoint scores: no column for them
             columns, rows = columns[:-1], [row[:-1] for row in rows]
@@ -134,9 +136,6 @@ class _Cli:
     def _committed_at(self, path: str) -> str:
         info = self.storage.stat(os.path.join(path, MANIFEST))
         return datetime.datetime.fromtimestamp(info.mtime).strftime("%Y-%m-%d %H:%M:%S") if info else "?"
-
-    def _size(self, path: str) -> int:
-        return _file_bytes(self.storage, path)
 
     # --- show -----------------------------------------------------------------------------------------------
 
@@ -175,7 +174,7 @@ class _Cli:
         except PROBLEMS as e:
             self.problem(str(e))
             return 1
-        total, problems, checked = _tensor_bytes(reader), 0, 0
+        total, problems, checked = _file_bytes(reader.storage, reader.path, suffix=".safetensors"), 0, 0
         with self._bar(f"verifying {os.path.basename(reader.path)}", total) as bar:
             task = bar.add_task(f"verifying {os.path.basename(reader.path)}", total=total)
             for rank in range(reader.world_size):
@@ -193,7 +192,6 @@ class _Cli:
         self.out.print(f"OK {reader.path}: step {reader.top['step']}, {checked} rank(s), {human_size(total)} of "
                        f"tensor files checked in {seconds:.2f} s", style="green", soft_wrap=True)
         return 0
-
 
     # --- export ---------------------------------------------------------------------------------------------
 
@@ -222,17 +220,43 @@ class _Cli:
         self.out.print(f"wrote {out} ({human_size(info.size if info else 0)}, {args.format})", soft_wrap=True)
         return 0
 
+    # --- memory ls, memory clear ----------------------------------------------------------------------------
+
+    def memory_ls(self, args: argparse.Namespace) -> int:
+        folders = host_folders(args.root, self.storage)
+        if not folders:
+            self.out.print(f"no host folders under {host_root(args.root)}", soft_wrap=True)
+            return 0
+        table = Table("dirpath", "job", "size", "steps", "unsaved", title=Text(host_root(args.root)),
+                      title_justify="left")
+        job = {True: Text("live", "green"), False: Text("dead"), None: Text("? (not this user's)", "dim")}
+        for f in folders:
+            table.add_row(Text(f.dirpath or f"? ({f.path})"), job[f.live], human_size(f.nbytes), _steps(f.steps),
+                          Text(_steps(f.unsaved), "bold red"))
+        self.out.print(table)
+        return 0
+
+    def memory_clear(self, args: argparse.Namespace) -> int:
+        freed, kept = clear_host_folders(args.root, discard=args.discard, storage=self.storage)
+        for f in freed:
+            lost = f", discarded steps {f.unsaved}" if f.unsaved else ""
+            self.out.print(f"freed {f.path} ({f.dirpath or '?'}, {human_size(f.nbytes)}{lost})", soft_wrap=True)
+        for f in kept:
+            self.out.print(f"kept {f.path} ({f.dirpath or '?'}): {f.why_kept(discard=args.discard)}", soft_wrap=True)
+        if not freed and not kept:
+            self.out.print(f"no host folders under {host_root(args.root)}", soft_wrap=True)
+        return 0
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps))
+
 
 def _committed_or_none(path: str, storage: Storage) -> dict[int, str]:
     try:
         return committed_steps(path, storage)
     except PROBLEMS:
         return {}
-
-
-def _tensor_bytes(reader: CheckpointReader) -> int:
-    """About what verify will read, for the progress bar: the sizes of the directory's tensor files."""
-    return _file_bytes(reader.storage, reader.path, suffix=".safetensors")
 
 
 def _file_bytes(storage: Storage, path: str, *, suffix: str = "") -> int:
@@ -247,31 +271,6 @@ def _children(value: Any) -> Iterator[tuple[str, Any]] | None:
     if isinstance(value, (list, tuple)):
         return ((f"[{i}]", v) for i, v in enumerate(value))
     return None
-
-
-def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[str, float]]:
-    """``(monitor, score)`` for each ``ModelCheckpoint`` state in rank 0's ``callbacks`` whose top-k models
-    (``best_k_models``: file path to score) include one of ``names``."""
-    opened = reader.open_rank(0)
-    try:
-        tensors = reader.all_placeholders(opened)
-        keys = {id(tensor): key for key, tensor in tensors.items() if key in opened.doc["tensors"]}
-        state = unflatten(opened.doc["tree"], tensors, opened.manifest)
-        callbacks = state.get("callbacks") if isinstance(state, dict) else None
-        found = []
-        for callback in callbacks.values() if isinstance(callbacks, dict) else ():
-            if not isinstance(callback, dict) or not isinstance(callback.get("monitor"), str):
-                continue
-            for file, score in (callback.get("best_k_models") or {}).items():
-                if os.path.basename(str(file)) in names and id(score) in keys:
-                    key = keys[id(score)]
-                    value = {key: torch.empty(score.shape, dtype=score.dtype)}
-                    read_tensor_bytes(opened.handle, opened.file, opened.data_start,
-                                      {key: opened.doc["tensors"][key]}, value, verify=True)
-                    found.append((callback["monitor"], float(value[key])))
-        return found
-    finally:
-        opened.close()
 
 
 def _add_node(parent: Tree, name: str, value: Any, depth: int | None, level: int,
@@ -341,6 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():
         p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
                        help='fsspec options for a URL, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
+    memory = sub.add_parser("memory", help="the host folders of keep_in_memory='host' (shared memory)")
+    memory_commands = memory.add_subparsers(dest="memory_command", required=True)
+    for name, fn, what in (("ls", _Cli.memory_ls, "list them: dirpath, live or dead job, size, steps not on disk"),
+                           ("clear", _Cli.memory_clear, "free those of dead jobs whose steps are all in dirpath")):
+        q = memory_commands.add_parser(name, help=what)
+        q.add_argument("--root", default=None, help=f"where the host folders are (default {DEFAULT_HOST_ROOT}; "
+                                                    "a checkpointer's host_memory_dir)")
+        q.set_defaults(fn=fn, storage_options=None)
+    q.add_argument("--discard", action="store_true", help="free also the folders of dead jobs holding steps "
+                                                          "dirpath lacks (those steps are lost)")
     return parser
 
 
@@ -352,7 +361,7 @@ def main(argv: list[str] | None = None, *, storage: Storage | None = None) -> in
         with reaching(name, first_url or "", args.storage_options):  # botocore's errors: one line naming the URL
             cli = _Cli(storage if storage is not None else _storage_for(args), out, err)
             return args.fn(cli, args)
-    except RemoteUnreachableError as e:
+    except PROBLEMS as e:  # RemoteUnreachableError, and what a command leaves to main (``memory``)
         _Cli(LocalStorage(), out, err).problem(str(e))
         return 1
 

@@ -1,7 +1,8 @@
 """The Lightning checkpoint dict inside a lazyckpt checkpoint written by ``LazyCheckpoint``: read back as the dict
 ``Trainer.save_checkpoint`` would have written (with one rank's RNG states), and as the bytes of ``torch.save``
 that ``torch.load(weights_only=True)`` accepts. Imports no Lightning: the CLI's export and the ``lazyckpt://``
-file system use it as well as the Lightning integration.
+file system use it as well as the Lightning integration. :func:`monitored_scores` reads the scores of its
+``ModelCheckpoint`` top-k models (``lazyckpt ls``'s column), those bytes alone.
 
 Example:
     >>> checkpoint = to_lightning_checkpoint("runs/ckpt/last.ckpt", rank=1)          # doctest: +SKIP
@@ -20,8 +21,11 @@ import torch
 from lazyckpt.errors import CheckpointFormatError
 from lazyckpt.interop.weights_only import check_weights_only, weights_only_safe
 from lazyckpt.read.load import check_committed, load
+from lazyckpt.read.reader import CheckpointReader
+from lazyckpt.read.tensor_io import read_tensor_bytes
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import storage_for
+from lazyckpt.tree.decode import unflatten
 
 EXTRA_KEY = "lazyckpt"
 """Top-level key of the Lightning checkpoint dict that holds lazyckpt's own additions (RNG states, rank)."""
@@ -80,3 +84,28 @@ def lightning_checkpoint_bytes(path: str | os.PathLike[str], *, verify: bool = T
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     return buffer.getvalue()
+
+
+def monitored_scores(reader: CheckpointReader, names: set[str]) -> list[tuple[str, float]]:
+    """``(monitor, score)`` for each ``ModelCheckpoint`` state in rank 0's ``callbacks`` whose top-k models
+    (``best_k_models``: file path to score) include one of ``names``."""
+    opened = reader.open_rank(0)
+    try:
+        tensors = reader.all_placeholders(opened)
+        keys = {id(tensor): key for key, tensor in tensors.items() if key in opened.doc["tensors"]}
+        state = unflatten(opened.doc["tree"], tensors, opened.manifest)
+        callbacks = state.get("callbacks") if isinstance(state, dict) else None
+        found = []
+        for callback in callbacks.values() if isinstance(callbacks, dict) else ():
+            if not isinstance(callback, dict) or not isinstance(callback.get("monitor"), str):
+                continue
+            for file, score in (callback.get("best_k_models") or {}).items():
+                if os.path.basename(str(file)) in names and id(score) in keys:
+                    key = keys[id(score)]
+                    value = {key: torch.empty(score.shape, dtype=score.dtype)}
+                    read_tensor_bytes(opened.handle, opened.file, opened.data_start,
+                                      {key: opened.doc["tensors"][key]}, value, verify=True)
+                    found.append((callback["monitor"], float(value[key])))
+        return found
+    finally:
+        opened.close()

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING
 
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.levels.directory import DirectoryLock
-from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
-from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, is_url
+from lazyckpt.storage import FileKind, LocalStorage, Storage, StorageLock, kind_of
+from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, host_root, is_url
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 OWNER_NOTE = ".host-owner.json"
 """In each host folder: the ``dirpath`` it belongs to (a folder is named by a hash of it)."""
 FILE_URL = "file://"
+LOCK_FILE = re.compile(r"\.lock-rank\d{5,}")
+"""A rank's lock in a host folder (:class:`~lazyckpt.levels.directory.DirectoryLock`)."""
 
 
 def split_host_level(dirpath: str, config: CheckpointConfig) -> tuple[str, CheckpointConfig]:
@@ -177,68 +180,149 @@ def _tree_bytes(storage: Storage, path: str) -> int:
     return total
 
 
+HOST_FOLDER = re.compile(r"[0-9a-f]{16}")
+"""A host folder's name: the digest of its ``dirpath`` (:func:`~lazyckpt.storage.urls.host_dir`)."""
+LEVEL_NAMES = (OWNER_NOTE, ".lock-rank", ".job-rank", "step-")
+"""What the host level writes in a folder (with their temporary names): a folder holding anything else, and no
+owner note, is not one of its folders and is never listed nor freed."""
+CLEARING = ".clearing-"
+"""A folder being freed is first renamed to this prefix and its name: a job starting meanwhile makes a fresh folder
+instead of writing into one being removed; one left by a clear that died midway goes at the next clear."""
+
+
 @dataclass(frozen=True)
 class HostFolder:
     """One host folder as ``lazyckpt memory ls`` shows it."""
 
     path: str
     dirpath: str | None
-    live: bool
-    """A process holds one of its locks (a running job)."""
+    """Whose folder it is (its owner note); None when the note is missing."""
+    live: bool | None
+    """A process holds one of its rank locks (a running job); None when this user may not open them."""
     nbytes: int
     steps: list[int]
     unsaved: list[int]
-    """Committed here but not in ``dirpath``: a crash came before their copy to disk."""
+    """Committed here and newer than ``dirpath``'s newest: a crash came before their copy to disk (the next
+    checkpointer of ``dirpath`` with ``keep_in_memory="host"`` commits them there)."""
+
+    def why_kept(self, *, discard: bool) -> str | None:
+        """Why :func:`clear_host_folders` keeps this folder and what to do; None when it is freed."""
+        if self.live is None:
+            return "this user may not take its locks (another user's job?); its owner can free it"
+        if self.live:
+            return "a running job holds its lock; that job frees it at a clean close()"
+        if not self.unsaved or discard:
+            return None
+        if self.dirpath is None:
+            return (f"it holds committed steps {self.unsaved} and no owner note names their dirpath; pass --discard "
+                    "to free it")
+        root = os.path.dirname(self.path)
+        where = "" if root == DEFAULT_HOST_ROOT else f", host_memory_dir={root!r}"
+        return (f"steps {self.unsaved} are committed here but not in {self.dirpath} (the job ended before their copy "
+                f"to disk); open LazyCheckpointer({self.dirpath!r}, keep_in_memory='host'{where}) once to commit "
+                "them to dirpath, or pass --discard")
 
 
 def host_folders(root: str | None = None, storage: Storage | None = None) -> list[HostFolder]:
-    """The host folders under ``root`` (None: the default root), each with its job's liveness and size."""
+    """The host folders under ``root`` (None: the default root) by ``dirpath``, each with its job's liveness and
+    size (each folder's locks are taken for a moment: a dead job's, as no live job holds them)."""
     storage = storage or LocalStorage()
-    root = os.path.dirname(host_dir("/", root))
-    if storage.stat(root) is None:
-        return []
     found = []
-    for name in sorted(storage.list_dir(root)):
-        path = os.path.join(root, name)
-        dirpath = _owner(storage, path)
-        steps = committed_steps(path, storage)
-        on_disk = committed_steps(dirpath, storage) if dirpath and storage.stat(dirpath) is not None else {}
-        nbytes = sum(_tree_bytes(storage, os.path.join(path, n)) for n in storage.list_dir(path)
-                     if kind_of(storage, os.path.join(path, n)) is FileKind.DIR)
-        found.append(HostFolder(path, dirpath, _live(storage, path), nbytes, sorted(steps),
-                                sorted(s for s in steps if s not in on_disk)))
-    return found
+    for path in _folder_paths(storage, host_root(root)):
+        try:
+            live, locks = _take_locks(storage, path)
+            _release(locks)
+            found.append(_describe(storage, path, live=live))
+        except FileNotFoundError:
+            continue  # its job closed cleanly meanwhile, and freed it
+    return sorted(found, key=lambda folder: (folder.dirpath or "", folder.path))
 
 
 def clear_host_folders(root: str | None = None, *, discard: bool = False,
                        storage: Storage | None = None) -> tuple[list[HostFolder], list[HostFolder]]:
-    """Free the host folders of dead jobs; ``(freed, kept)``. A folder holding a step ``dirpath`` lacks is kept
-    (open its ``dirpath`` with ``keep_in_memory="host"`` once to commit it) unless ``discard``."""
+    """Free the host folders of dead jobs; ``(freed, kept)`` (:meth:`HostFolder.why_kept` says why). A folder
+    holding a step newer than ``dirpath``'s newest is kept (open its ``dirpath`` with ``keep_in_memory="host"``
+    once to commit it) unless ``discard``. Each folder is judged and renamed away while this process holds every rank lock of
+    it, so a job that starts meanwhile either fails to take its lock or makes a fresh folder."""
     storage = storage or LocalStorage()
+    root = host_root(root)
     freed, kept = [], []
-    for folder in host_folders(root, storage):
-        if folder.live or (folder.unsaved and not discard):
-            kept.append(folder)
-            continue
-        storage.remove_tree(folder.path)
+    for name in storage.list_dir(root) if kind_of(storage, root) is FileKind.DIR else []:
+        if name.startswith(CLEARING):
+            storage.remove_tree(os.path.join(root, name))  # left by a clear that died midway
+    for path in _folder_paths(storage, root):
+        locks: list[StorageLock] = []
+        try:
+            live, locks = _take_locks(storage, path)
+            folder = _describe(storage, path, live=live)
+            if folder.why_kept(discard=discard) is not None:
+                kept.append(folder)
+                continue
+            trash = os.path.join(root, f"{CLEARING}{os.path.basename(path)}-{os.getpid()}")
+            storage.rename(path, trash, sync=False)
+        except FileNotFoundError:
+            continue  # its job closed cleanly meanwhile, and freed it
+        finally:
+            _release(locks)
+        storage.remove_tree(trash)
         freed.append(folder)
     return freed, kept
 
 
-def _owner(storage: Storage, folder: str) -> str | None:
-    try:
-        return json.loads(storage.read_bytes(os.path.join(folder, OWNER_NOTE), max_bytes=1 << 16)).get("dirpath")
-    except (OSError, ValueError):
-        return None
-
-
-def _live(storage: Storage, folder: str) -> bool:
-    """True when a process holds one of the folder's rank locks (the kernel drops them when it dies)."""
-    for name in storage.list_dir(folder):
-        if not name.startswith(".lock-rank"):
+def _folder_paths(storage: Storage, root: str) -> list[str]:
+    """The host folders under ``root``, sorted: digest-named directories that hold an owner note, or nothing but
+    what the host level writes (a job that died before its note)."""
+    if kind_of(storage, root) is not FileKind.DIR:
+        return []
+    found = []
+    for name in sorted(storage.list_dir(root)):
+        path = os.path.join(root, name)
+        if not HOST_FOLDER.fullmatch(name) or kind_of(storage, path) is not FileKind.DIR:
             continue
         try:
-            storage.lock(os.path.join(folder, name)).release()
-        except BlockingIOError:
-            return True
-    return False
+            names = storage.list_dir(path)
+        except FileNotFoundError:
+            continue
+        if OWNER_NOTE in names or all(n.startswith(LEVEL_NAMES) for n in names):
+            found.append(path)
+    return found
+
+
+def _describe(storage: Storage, path: str, *, live: bool | None) -> HostFolder:
+    dirpath = _owner(storage, path)
+    steps = committed_steps(path, storage)
+    newest_on_disk = max(committed_steps(dirpath, storage), default=-1) if dirpath is not None else -1
+    nbytes = sum(_tree_bytes(storage, os.path.join(path, n)) for n in storage.list_dir(path)
+                 if kind_of(storage, os.path.join(path, n)) is FileKind.DIR)
+    return HostFolder(path, dirpath, live, nbytes, sorted(steps), sorted(s for s in steps if s > newest_on_disk))
+
+
+def _owner(storage: Storage, folder: str) -> str | None:
+    try:
+        owner = json.loads(storage.read_bytes(os.path.join(folder, OWNER_NOTE), max_bytes=1 << 16)).get("dirpath")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+def _take_locks(storage: Storage, folder: str) -> tuple[bool | None, list[StorageLock]]:
+    """``(live, locks)``: ``(False, every rank lock of folder, now held by this process)``, or ``(True, [])`` when
+    a process holds one (its job runs: the kernel drops a dead process's locks; this process's own count too), or
+    ``(None, [])`` when this user may not open them."""
+    taken: list[StorageLock] = []
+    try:
+        for name in sorted(storage.list_dir(folder)):
+            if LOCK_FILE.fullmatch(name):
+                taken.append(storage.lock(os.path.join(folder, name)))
+    except (BlockingIOError, PermissionError) as e:
+        _release(taken)
+        return (None if isinstance(e, PermissionError) else True), []
+    except BaseException:
+        _release(taken)
+        raise
+    return False, taken
+
+
+def _release(locks: list[StorageLock]) -> None:
+    for lock in locks:
+        lock.release()

@@ -110,7 +110,12 @@ def host_dir(dirpath: str, root: str | os.PathLike[str] | None) -> str:
     directory, so the ranks of one node share it, a restarted job finds its predecessor's, and two runs never
     meet."""
     digest = hashlib.sha256(os.path.abspath(dirpath).encode("utf-8")).hexdigest()[:16]
-    return os.path.join(os.path.abspath(os.fspath(root)) if root is not None else DEFAULT_HOST_ROOT, digest)
+    return os.path.join(host_root(root), digest)
+
+
+def host_root(root: str | os.PathLike[str] | None) -> str:
+    """The directory the host folders live under: ``root`` made absolute, or :data:`DEFAULT_HOST_ROOT`."""
+    return os.path.abspath(os.fspath(root)) if root is not None else DEFAULT_HOST_ROOT
 
 
 def storage_for(path: str | os.PathLike[str], storage: Storage | None,
