@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)  # this checkout's lazyckpt, whatever is installed
 
 import lazyckpt  # noqa: E402
 from compare import FULL  # noqa: E402
+from harness import work_root  # noqa: E402
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir  # noqa: E402
 from report import spread, target_row, targets_table  # noqa: E402
 from workload import (Batches, MiB, Workload, build_model, evict_from_page_cache, lm_loss, make_optimizer,  # noqa: E402
@@ -139,10 +140,10 @@ def measure_restores(w: Workload, sources: dict[str, dict], host_root: str, repe
 def check_restores(runs: dict[str, list[dict]], sources: dict[str, dict]) -> None:
     """Each source's restore read its own copy, and every first step computed the same loss."""
     for name, done in runs.items():
-        where = sources[name]["where"]
-        wrong = [r["path"] for r in done if not r["path"].startswith(where.rstrip("/") + "/")]
-        if wrong or (name == "disk" and any(r["path"].startswith(sources["host"]["where"]) for r in done)):
-            raise RuntimeError(f"the {name} restore read {wrong or done[0]['path']}, not a checkpoint of {where}")
+        where = sources[name]["where"].rstrip("/")
+        wrong = [r["path"] for r in done if not r["path"].startswith(where + "/")]
+        if wrong:
+            raise RuntimeError(f"the {name} restore read {wrong[0]}, not a checkpoint of {where}")
     losses = {r["loss"] for done in runs.values() for r in done}
     if len(losses) != 1:
         raise RuntimeError(f"the first resumed step's loss differs between the sources: {sorted(losses)}")
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(params_m=args.params_m, batch=args.batch, seq=args.seq, every=args.every,
                  checkpoints=args.checkpoints, threads=torch.get_num_threads())
     host_root = host_root_under(args.host_memory_dir, int(args.params_m * 1e6 * 12))
-    work = tempfile.mkdtemp(prefix="lazyckpt-bench-host-level-", dir=args.workdir)
+    work = work_root(args, "lazyckpt-bench-host-level-")
     server, s3 = start_s3() if not args.no_remote else (None, None)
     try:
         result = run(args, w, work, host_root, s3)
