@@ -11,8 +11,9 @@ what it costs the training loop against ``keep_in_memory=False``.
 * **Loop**: the same training loop, in this process, without checkpoints, with ``keep_in_memory=False`` and with
   ``keep_in_memory="host"`` (interleaved, the order rotated per repeat), at torch's default thread count and at
   one thread. The stall per checkpoint is the training-thread time in ``save()`` plus the ``wait_staged()``
-  before the next update; quiet steps are those that neither save nor follow a save (background writes and
-  the copy to ``dirpath`` may run during them), compared with the same steps of the loop without checkpoints.
+  before the next update. Steps between saves neither save nor follow a save (the write and the copy to
+  ``dirpath`` may run during them); quiet steps are those of them that start with the newest checkpoint durable
+  in ``dirpath`` (compare.py's definition). Both are compared with the same steps of the loop without checkpoints.
 
 Usage:
     python benchmarks/host_level.py --json host.json      # the default workload, ~6 min on 2 cores
@@ -44,14 +45,14 @@ sys.path.insert(0, ROOT)  # this checkout's lazyckpt, whatever is installed
 
 import lazyckpt  # noqa: E402
 from compare import FULL  # noqa: E402
-from harness import work_root  # noqa: E402
+from harness import run_facts, work_root  # noqa: E402
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir  # noqa: E402
-from report import spread, target_row, targets_table  # noqa: E402
+from report import cell, spread, target_row, targets_table  # noqa: E402
 from workload import (Batches, MiB, Workload, build_model, evict_from_page_cache, lm_loss, make_optimizer,  # noqa: E402
                       median, tree_bytes)
 
 SMALL = {"params_m": 0.3, "batch": 2, "seq": 16, "every": 3, "checkpoints": 2, "repeats": 1}
-DEFAULTS = {**{k: FULL[k] for k in ("params_m", "batch", "seq")}, "every": 10, "checkpoints": 4, "repeats": 3}
+DEFAULTS = {**{k: FULL[k] for k in ("params_m", "batch", "seq")}, "every": 15, "checkpoints": 3, "repeats": 3}
 VARIANTS = ("none", "disk", "host")
 """The loop without checkpoints, with ``keep_in_memory=False`` and with ``keep_in_memory="host"``."""
 
@@ -64,18 +65,14 @@ import torch, lazyckpt
 from workload import Batches, Workload, build_model, lm_loss, make_optimizer
 imported = time.perf_counter()
 w = Workload(**spec["workload"])
-model = build_model(w)
-opt = make_optimizer(w, model.parameters())
+model = build_model(w); opt = make_optimizer(w, model.parameters())
 built = time.perf_counter()
 options = {"storage_options": spec["storage_options"]} if spec["storage_options"] else {}
 path = lazyckpt.latest(spec["where"], host_memory_dir=spec["host_memory_dir"], **options)
 state = lazyckpt.load(path, **options)
 loaded = time.perf_counter()
-model.load_state_dict(state["model"])
-opt.load_state_dict(state["opt"])
-loss = lm_loss(model, Batches(w)[0])
-loss.backward()
-opt.step()
+model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
+loss = lm_loss(model, Batches(w)[0]); loss.backward(); opt.step()
 stepped = time.perf_counter()
 print(json.dumps({"path": path, "loss": loss.item(), "imports_s": imported - started, "build_s": built - imported,
                   "load_s": loaded - built, "resume_s": stepped - built, "in_process_s": stepped - started}))
@@ -153,47 +150,58 @@ def check_restores(runs: dict[str, list[dict]], sources: dict[str, dict]) -> Non
 
 
 def checkpointer(variant: str, dirpath: str, host_root: str) -> lazyckpt.LazyCheckpointer | None:
-    if variant == "none":
-        return None
-    if variant == "disk":
-        return lazyckpt.LazyCheckpointer(dirpath, keep_last_k=2, keep_in_memory=False)
-    return lazyckpt.LazyCheckpointer(dirpath, keep_last_k=2, keep_in_memory="host", host_memory_dir=host_root)
+    host = {"keep_in_memory": "host", "host_memory_dir": host_root} if variant == "host" else {}
+    return None if variant == "none" else lazyckpt.LazyCheckpointer(dirpath, keep_last_k=2, **host)
 
 
 def train(w: Workload, variant: str, dirpath: str, host_root: str) -> dict:
-    """One loop; per-step durations, the stall of each measured checkpoint, and the drain at close."""
+    """One loop: the stall of each measured checkpoint, the durations of the steps between saves (and of those
+    among them that start with the newest checkpoint durable in ``dirpath``), and the drain at close."""
     model, data = build_model(w), Batches(w)
     opt = make_optimizer(w, model.parameters())
     ckpt = checkpointer(variant, dirpath, host_root)
-    steps, stalls, last = {}, {}, None
+    steps, idle, stalls, pending = {}, set(), {}, None
     for step in range(1, w.total_steps + 1):
         started = time.perf_counter()
+        if pending is None or settled(pending):
+            idle.add(step)
         lm_loss(model, data[step - 1]).backward()
         if ckpt is not None:
             before = time.perf_counter()
             ckpt.wait_staged()
-            if last is not None:
-                stalls[last] += time.perf_counter() - before
+            if pending is not None:
+                stalls[pending.step] += time.perf_counter() - before
         opt.step()
         opt.zero_grad(set_to_none=True)
         if ckpt is not None and w.is_checkpoint(step):
             before = time.perf_counter()
-            ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step=step, optimizers=[opt])
-            stalls[step], last = time.perf_counter() - before, step
+            pending = ckpt.save({"model": model.state_dict(), "opt": opt.state_dict()}, step=step, optimizers=[opt])
+            stalls[step] = time.perf_counter() - before
         steps[step] = time.perf_counter() - started
-    before = time.perf_counter()
-    copies = []
+    before, copies, committed = time.perf_counter(), [], []
     if ckpt is not None:
         ckpt.close()
         copies = [u.seconds for u in (ckpt.remote.completed if ckpt.remote else []) if u.step > w.every]
-    committed = [s.flush_s for s in (ckpt.stats if ckpt is not None else []) if s.step > w.every]
-    quiet = [steps[s] for s in quiet_steps(w)]
-    return {"variant": variant, "quiet_step_s": quiet, "step_s": list(steps.values()), "drain_s":
-            time.perf_counter() - before, "stall_s": [v for s, v in stalls.items() if s > w.every],
-            "commit_s": committed, "copy_to_dirpath_s": copies}
+        committed = [s.flush_s for s in ckpt.stats if s.step > w.every]
+    between = between_saves(w)
+    return {"variant": variant, "between_step_s": [steps[s] for s in between],
+            "quiet_step_s": [steps[s] for s in between if s in idle], "drain_s": time.perf_counter() - before,
+            "stall_s": [v for s, v in stalls.items() if s > w.every], "commit_s": committed,
+            "copy_to_dirpath_s": copies}
 
 
-def quiet_steps(w: Workload) -> list[int]:
+def settled(pending: lazyckpt.PendingCheckpoint) -> bool:
+    """The checkpoint is committed in ``dirpath`` (for the host level: its copy there too); never blocks."""
+    if not pending.done():
+        return False
+    try:
+        pending.wait_remote(timeout=0)
+    except TimeoutError:
+        return False
+    return True
+
+
+def between_saves(w: Workload) -> list[int]:
     """Measured steps that neither save nor wait for the previous save's staging."""
     return [s for s in range(w.every + 2, w.total_steps + 1) if not w.is_checkpoint(s) and not w.is_checkpoint(s - 1)]
 
@@ -215,23 +223,30 @@ def measure_loops(w: Workload, threads: int, work: str, host_root: str, repeats:
 
 
 def summarize_loops(runs: list[dict]) -> dict[str, dict]:
-    """Per variant: stall (ms) and quiet step (ms) medians over every checkpoint / step of every repeat, the quiet
-    step over the baseline's, and the spread of the per-repeat medians (the noise)."""
+    """Per variant: stall and step medians (ms) over every checkpoint / step of every repeat, the steps over the
+    baseline's, and the spread of the per-repeat medians (the noise)."""
     by = {v: [r for r in runs if r["variant"] == v] for v in VARIANTS}
-    base = median([s for r in by["none"] for s in r["quiet_step_s"]])
     out = {}
     for variant, done in by.items():
-        per_repeat_stall = [median(r["stall_s"]) * 1e3 for r in done if r["stall_s"]]
-        per_repeat_quiet = [median(r["quiet_step_s"]) * 1e3 for r in done]
-        quiet = median([s for r in done for s in r["quiet_step_s"]])
-        out[variant] = {
-            "stall_ms": median([s for r in done for s in r["stall_s"]]) * 1e3 if per_repeat_stall else None,
-            "stall_ms_per_repeat": spread(per_repeat_stall), "quiet_step_ms": quiet * 1e3,
-            "quiet_step_ms_per_repeat": spread(per_repeat_quiet), "quiet_step_x": quiet / base,
-            "commit_s": spread([s for r in done for s in r["commit_s"]]),
-            "copy_to_dirpath_s": spread([s for r in done for s in r["copy_to_dirpath_s"]]),
-            "drain_s": spread([r["drain_s"] for r in done])}
+        entry = {"stall_ms": pooled(done, "stall_s"), "stall_ms_per_repeat": per_repeat(done, "stall_s")}
+        for kind in ("between_step", "quiet_step"):
+            ms, base = pooled(done, f"{kind}_s"), pooled(by["none"], f"{kind}_s")
+            entry.update({f"{kind}_ms": ms, f"{kind}_x": None if ms is None or not base else ms / base,
+                          f"{kind}_ms_per_repeat": per_repeat(done, f"{kind}_s"),
+                          f"{kind}_n": sum(len(r[f"{kind}_s"]) for r in done)})
+        for key in ("commit_s", "copy_to_dirpath_s"):
+            entry[key] = spread([v for r in done for v in r[key]])
+        out[variant] = {**entry, "drain_s": spread([r["drain_s"] for r in done])}
     return out
+
+
+def pooled(runs: list[dict], key: str) -> float | None:
+    values = [v for r in runs for v in r[key]]
+    return median(values) * 1e3 if values else None
+
+
+def per_repeat(runs: list[dict], key: str) -> dict | None:
+    return spread([median(r[key]) * 1e3 for r in runs if r[key]])
 
 
 def half_range(value: dict | None) -> float:
@@ -262,16 +277,9 @@ def targets(restore: dict[str, dict], loops: dict[int, dict[str, dict]]) -> dict
         rows[f"host_t{threads}"] = [
             target_row("stall ms unchanged (<= keep_in_memory=False's)", host["stall_ms"], disk["stall_ms"],
                        noise=stall_noise),
-            target_row("quiet step <= 1.05x the no-checkpoint loop's", host["quiet_step_x"], 1.05,
-                       noise=quiet_noise)]
+            target_row("quiet step (the newest checkpoint durable in dirpath) <= 1.05x the no-checkpoint loop's",
+                       host["quiet_step_x"], 1.05, noise=quiet_noise)]
     return rows
-
-
-def cell(value: dict | None, fmt: str, scale: float = 1.0) -> str:
-    if not value:
-        return "–"
-    text = format(value["median"] * scale, fmt)
-    return text + (f" ({value['min'] * scale:{fmt}}–{value['max'] * scale:{fmt}})" if value["n"] > 1 else "")
 
 
 def restore_table(restore: dict[str, dict]) -> str:
@@ -280,22 +288,26 @@ def restore_table(restore: dict[str, dict]) -> str:
              "load s | load → first resumed step s | vs host |", "|---|---|---|---|---|---|---|"]
     host = restore["host"]["resume_s"]["median"]
     for name, r in restore.items():
-        lines.append(f"| {names[name]} | {cell(r['restart_s'], '.2f')} | {cell(r['imports_s'], '.2f')} | "
-                     f"{cell(r['build_s'], '.2f')} | {cell(r['load_s'], '.3f')} | {cell(r['resume_s'], '.3f')} | "
+        lines.append(f"| {names[name]} | {cell(r, 'restart_s', '.2f')} | {cell(r, 'imports_s', '.2f')} | "
+                     f"{cell(r, 'build_s', '.2f')} | {cell(r, 'load_s', '.3f')} | {cell(r, 'resume_s', '.3f')} | "
                      f"{r['resume_s']['median'] / host:.2f}x |")
     return "\n".join(lines)
 
 
 def loop_table(loops: dict[int, dict[str, dict]]) -> str:
     names = {"none": "no checkpoint", "disk": "`keep_in_memory=False`", "host": "`keep_in_memory=\"host\"`"}
-    lines = ["| threads | loop | stall ms/ckpt (per-repeat medians) | quiet step ms | quiet step / none | committed s "
-             "(host: in tmpfs) | copy to `dirpath` s | drain at close s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| threads | loop | stall ms/ckpt [per-repeat medians] | steps between saves ms | / none | quiet steps "
+             "ms (n) | / none | committed s (host: in tmpfs) | copy to `dirpath` s | drain at close s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for threads, summary in loops.items():
         for variant, s in summary.items():
-            stall = "–" if s["stall_ms"] is None else f"{s['stall_ms']:.1f} [{cell(s['stall_ms_per_repeat'], '.1f')}]"
-            lines.append(f"| {threads} | {names[variant]} | {stall} | {s['quiet_step_ms']:.0f} | "
-                         f"{s['quiet_step_x']:.3f} | {cell(s['commit_s'], '.2f')} | "
-                         f"{cell(s['copy_to_dirpath_s'], '.2f')} | {cell(s['drain_s'], '.2f')} |")
+            stall = "–" if s["stall_ms"] is None else f"{s['stall_ms']:.1f} [{cell(s, 'stall_ms_per_repeat', '.1f')}]"
+            steps = [f"{s['between_step_ms']:.0f}", f"{s['between_step_x']:.3f}",
+                     "–" if s["quiet_step_ms"] is None else f"{s['quiet_step_ms']:.0f} ({s['quiet_step_n']})",
+                     "–" if s["quiet_step_x"] is None else f"{s['quiet_step_x']:.3f}"]
+            lines.append(f"| {threads} | {names[variant]} | {stall} | {' | '.join(steps)} | "
+                         f"{cell(s, 'commit_s', '.2f')} | {cell(s, 'copy_to_dirpath_s', '.2f')} | "
+                         f"{cell(s, 'drain_s', '.2f')} |")
     return "\n".join(lines)
 
 
@@ -355,6 +367,19 @@ def run(args: argparse.Namespace, w: Workload, work: str, host_root: str, s3: di
             "restore_runs": restore_runs, "loop_runs": loop_runs}
 
 
+def print_report(result: dict, facts: dict) -> None:
+    w = facts["workload"]
+    print(f"\nworkload: {w['params_m']:g}M parameters, {result['state_mib']:.0f} MiB of state, a checkpoint every "
+          f"{w['every']} steps, {w['checkpoints']} measured per loop, {facts['repeats']} repeats; load average "
+          f"{facts['loadavg_at_start'][0]:.1f} at the start, {facts['loadavg_at_end'][0]:.1f} at the end; "
+          f"{facts['wall_s']:.0f} s\n")
+    print(restore_table(result["restore"]) + "\n")
+    print(loop_table(result["loops"]) + "\n")
+    entries = [{"key": k, "name": "host level" if k == "host" else f"host level, {k.split('_t')[1]} thread(s)"}
+               for k in result["targets"]]
+    print(targets_table(result["targets"], entries))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_start = time.monotonic(), os.getloadavg()
@@ -371,19 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.terminate()
             server.wait()
-    facts = {"command": " ".join(["python benchmarks/host_level.py", *sys.argv[1:]] if argv is None else
-                                 ["python benchmarks/host_level.py", *argv]),
-             "workload": w.describe(), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
-             "wall_s": round(time.monotonic() - started, 1), "loadavg_at_start": load_start,
-             "loadavg_at_end": os.getloadavg()}
-    print(f"\nworkload: {w.params_m:g}M parameters, {result['state_mib']:.0f} MiB of state, a checkpoint every "
-          f"{w.every} steps, {w.checkpoints} measured per loop, {args.repeats} repeats; load average "
-          f"{load_start[0]:.1f} at the start, {facts['loadavg_at_end'][0]:.1f} at the end; {facts['wall_s']:.0f} s\n")
-    print(restore_table(result["restore"]) + "\n")
-    print(loop_table(result["loops"]) + "\n")
-    entries = [{"key": k, "name": "host level" if k == "host" else f"host level, {k.split('_t')[1]} thread(s)"}
-               for k in result["targets"]]
-    print(targets_table(result["targets"], entries))
+    facts = {**run_facts(started, "host_level.py"), "workload": w.describe(), "repeats": args.repeats,
+             "torch_threads": torch.get_num_threads(), "loadavg_at_start": load_start}
+    print_report(result, facts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": facts, **result}, f, indent=1)
