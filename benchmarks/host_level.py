@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ sys.path.insert(0, ROOT)  # this checkout's lazyckpt, whatever is installed
 
 import lazyckpt  # noqa: E402
 from compare import FULL  # noqa: E402
-from harness import run_facts, work_root  # noqa: E402
+from harness import log, run_facts, work_root  # noqa: E402
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir  # noqa: E402
 from report import cell, spread, target_row, targets_table  # noqa: E402
 from workload import (Batches, MiB, Workload, build_model, evict_from_page_cache, lm_loss, make_optimizer,  # noqa: E402
@@ -130,6 +131,7 @@ def measure_restores(w: Workload, sources: dict[str, dict], host_root: str, repe
         for name, source in sources.items():
             cold = lazyckpt.latest(source["where"], host_memory_dir=host_root) if name == "disk" else None
             runs[name].append(restore_once(w, source, host_root, cold))
+            log(f"restore from {name}: {runs[name][-1]['restart_s']:.2f} s")
     check_restores(runs, sources)
     return runs
 
@@ -214,6 +216,8 @@ def measure_loops(w: Workload, threads: int, work: str, host_root: str, repeats:
         for variant in order:
             dirpath = tempfile.mkdtemp(prefix=f"loop-{variant}-", dir=work)
             runs.append({"repeat": repeat, "threads": threads, **train(w, variant, dirpath, host_root)})
+            log(f"loop {variant}, {threads} thread(s), repeat {repeat}: {sum(runs[-1]['between_step_s']):.1f} s "
+                "between saves")
             shutil.rmtree(dirpath)
             gc.collect()
     leftovers = os.listdir(host_root) if os.path.isdir(host_root) else []
@@ -387,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                  checkpoints=args.checkpoints, threads=torch.get_num_threads())
     host_root = host_root_under(args.host_memory_dir, int(args.params_m * 1e6 * 12))
     work = work_root(args, "lazyckpt-bench-host-level-")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still frees its tmpfs folder
     server, s3 = start_s3() if not args.no_remote else (None, None)
     try:
         result = run(args, w, work, host_root, s3)
