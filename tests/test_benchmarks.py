@@ -7,6 +7,7 @@ No timing assertions: timings on a shared CI machine mean nothing; the schema an
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -364,3 +365,43 @@ def test_deepspeed_save_small_verifies_both_engines_and_reports_the_ratio(tmp_pa
     table = json.loads(out.read_text())["table"]["1"]
     assert set(table) == {"torch", "lazy"} and all(row["verified"] for row in table.values())
     assert table["lazy"]["own_ms"] is not None and "lazy stall / torch engine stall" in proc.stdout
+
+
+# --- benchmarks/host_level.py: restarts from the host folder, the loop with keep_in_memory="host" -------------------
+
+
+@pytest.mark.slow
+def test_host_level_small_restores_from_every_source_and_frees_the_host_folders(tmp_path):
+    shm, work, out = tmp_path / "shm", tmp_path / "work", tmp_path / "host.json"
+    shm.mkdir()
+    remote = importlib.util.find_spec("moto") is not None
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "host_level.py"), "--small", "--host-memory-dir",
+                           str(shm), "--workdir", str(work), "--json", str(out), *([] if remote else ["--no-remote"])],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(out.read_text())
+    runs = data["restore_runs"]
+    assert set(runs) == {"host", "disk", *(["s3"] if remote else [])}
+    assert all(r["path"].startswith(str(shm) + "/") for r in runs["host"])  # read from the host folder itself
+    assert all(r["path"].startswith(str(work) + "/") for r in runs["disk"])
+    assert len({r["loss"] for done in runs.values() for r in done}) == 1
+    for threads, summary in data["loops"].items():
+        assert set(summary) == {"none", "disk", "host"}, threads
+        assert summary["host"]["stall_ms"] > 0 and summary["host"]["copy_to_dirpath_s"]["n"] >= 1
+    assert [t["target"] for t in data["targets"]["host"]][0].startswith("restart to the first resumed step")
+    assert "| host folder (tmpfs) |" in proc.stdout and '| `keep_in_memory="host"` |' in proc.stdout
+    assert os.listdir(shm) == [] and os.listdir(work) == []
+
+
+def test_host_level_refuses_a_restore_that_read_another_copy_or_another_state(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    import host_level
+
+    sources = {"host": {"where": "/shm/abc"}, "disk": {"where": "/run"}}
+    good = {"host": [{"path": "/shm/abc/step-0000002", "loss": 1.5}], "disk": [{"path": "/run/step-0000002",
+                                                                                  "loss": 1.5}]}
+    host_level.check_restores(good, sources)
+    with pytest.raises(RuntimeError, match="the disk restore read /shm/abc/step-0000002"):
+        host_level.check_restores({**good, "disk": good["host"]}, sources)
+    with pytest.raises(RuntimeError, match="loss differs between the sources"):
+        host_level.check_restores({**good, "disk": [{"path": "/run/step-0000002", "loss": 1.25}]}, sources)

@@ -3,7 +3,9 @@ partial uploads nobody can still be writing, and no commit object names an objec
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -109,3 +111,20 @@ def test_a_partial_upload_the_job_still_retries_outlives_a_newer_commit(tmp_path
     retried = _plant_partial(url, 2)  # a failed upload of step 2, queued again behind step 3
     assert remove_partial_uploads(FsspecStorage(url), url, below=3, keep={2}) == []
     assert remove_partial_uploads(FsspecStorage(url), url, below=3) == [retried]
+
+
+def test_a_committed_upload_keeps_nothing_of_its_job(tmp_path):
+    """The host level copies every step to dirpath through the remote level: what it keeps of a committed copy
+    must not hold the job (its tree, entries and checksums), or memory grows with every checkpoint of the run."""
+    with lazyckpt.LazyCheckpointer(tmp_path / "run", keep_in_memory="host", host_memory_dir=tmp_path / "shm",
+                                   fsync=False) as ckpt:
+        jobs = []
+        for step in range(1, 5):
+            pending = ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+            pending.wait_remote()
+            jobs.append(weakref.ref(pending._job))
+        del pending
+        gc.collect()
+        assert [(u.step, u.nbytes > 0) for u in ckpt.remote.completed] == [(s, True) for s in range(1, 5)]
+        assert [job() for job in jobs[:-1]] == [None, None, None]  # the newest may still be the engine's
+    assert lazyckpt.load(lazyckpt.latest(tmp_path / "run"))["w"].sum() == 16

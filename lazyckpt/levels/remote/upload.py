@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from lazyckpt.storage import LocalStorage, Storage
 from lazyckpt.storage.fsspec import FsspecStorage
 from lazyckpt.storage.urls import join, unreachable
 from lazyckpt.threads import UPLOAD_NICE, start_background_thread
+from lazyckpt.write.stats import STATS_WINDOW
 
 if TYPE_CHECKING:
     from lazyckpt.config import CheckpointConfig
@@ -59,6 +61,17 @@ class RemoteUpload:
     nbytes: int = 0
     retry: bool = False
     """This is the one retry of a failed upload (made at the next commit); it is not retried again."""
+
+
+@dataclass(frozen=True)
+class CompletedUpload:
+    """What :attr:`RemoteLevel.completed` keeps of a committed upload: not its job, whose tree, entries and
+    checksums would otherwise stay in memory for every step of the run (the host level uploads every step)."""
+
+    step: int
+    url: str
+    nbytes: int
+    seconds: float
 
 
 _COPY_BYTES = 8 << 20
@@ -114,8 +127,9 @@ class RemoteLevel:
         self._failed: list[RemoteUpload] = []
         self._to_retry: list[tuple[RemoteUpload, str]] = []
         """Failed first attempts and their local directories, queued again at the next commit."""
-        self.completed: list[RemoteUpload] = []
-        """Uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the throughput)."""
+        self.completed: deque[CompletedUpload] = deque(maxlen=STATS_WINDOW)
+        """The newest uploads committed remotely, oldest first (their ``nbytes`` and ``seconds`` give the
+        throughput); a bounded window, like the checkpointer's ``stats``."""
         self._cleanup_due: int | None = None
         """Rank 0: the commit whose clean-up failed (an outage); tried again after the next commit or at close."""
         self._lock = threading.Lock()
@@ -274,7 +288,7 @@ class RemoteLevel:
                 upload.seconds = time.monotonic() - started
                 logger.info("lazyckpt: uploaded step %d (%.1f MB) to %s in %.3fs", upload.step,
                             upload.nbytes / 1e6, upload.url, upload.seconds)
-                self.completed.append(upload)
+                self.completed.append(CompletedUpload(upload.step, upload.url, upload.nbytes, upload.seconds))
                 if self.rank == 0:
                     self._prune(upload.step)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread at its next call
