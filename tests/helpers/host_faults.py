@@ -1,0 +1,40 @@
+"""Fault injection for the host level (``keep_in_memory="host"``): a step committed in the host folder whose copy
+to ``dirpath`` never starts, so that a crash of the training process lands, deterministically, between the two.
+
+The copy of a step begins only once it is committed in the host folder (the uploader takes committed step
+directories), so the moment :func:`stall_copy_to_disk`'s event is set, that step is in the host folder, complete,
+and nothing of it is in ``dirpath`` yet.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from lazyckpt.format.files import step_of_dir
+from lazyckpt.levels.remote.upload import RemoteLevel
+
+STALL_TIMEOUT_S = 120.0
+"""How long a crash waits for the stalled copy to begin before it gives up (a broken run, not a slow one)."""
+
+
+def stall_copy_to_disk(step: int) -> threading.Event:
+    """Patch the uploader so that the copy of ``step`` to ``dirpath`` blocks forever before its first byte;
+    returns an event set when that copy would have begun."""
+    reached = threading.Event()
+    copy_step = RemoteLevel._upload_step
+
+    def stalled(self, step_url: str, local_dir: str, attempt: str) -> int:
+        if step_of_dir(local_dir) == step:
+            reached.set()
+            threading.Event().wait()  # never set: the process dies with this copy not begun
+        return copy_step(self, step_url, local_dir, attempt)
+
+    RemoteLevel._upload_step = stalled
+    return reached
+
+
+def crash_once_stalled(reached: threading.Event, exit_code: int) -> None:
+    """Hard-exit (no clean-up, no atexit) once the stalled copy would have begun; exit ``exit_code + 1`` if it
+    never does (the step was never committed in the host folder)."""
+    os._exit(exit_code if reached.wait(STALL_TIMEOUT_S) else exit_code + 1)
