@@ -30,8 +30,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lazyckpt.format.catalog import committed_steps
-from lazyckpt.levels.directory import DirectoryLock
+from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.format.catalog import committed_steps, is_committed
+from lazyckpt.format.files import step_dirname
+from lazyckpt.levels.directory import CommittedSteps, DirectoryLock
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, is_url
 
@@ -92,6 +94,9 @@ class HostLevel:
         storage.make_dir(self.dirpath)
         # dirpath is this job's too: a checkpointer writing it without the host level is refused, as is a second one
         self._disk_lock = DirectoryLock(self.dirpath, config.rank, storage, config.world_size, made=made)
+        self._disk_steps = CommittedSteps(self.dirpath, storage, config, rendezvous=None, remote=None)
+        """``dirpath``'s steps: a save checks its order against them, a removal removes there (the remote level
+        writes and prunes them)."""
         self._budget_checked = False
 
     @classmethod
@@ -109,6 +114,24 @@ class HostLevel:
             level._disk_lock.release()
             raise
         return level
+
+    def check_step(self, step: int) -> None:
+        """Before a save of ``step``: ``dirpath``'s committed steps are this checkpointer's too, though the host
+        folder holds only the newest (after a clean close, none): one of them is never overwritten, and a lower
+        step is refused or moves the newer ones aside as in any directory (``on_older_step``).
+
+        Raises:
+            StepAlreadyCommittedError: ``dirpath`` holds ``step`` committed.
+            StepOrderError: ``step`` is lower than ``dirpath``'s newest and ``on_older_step="error"``.
+        """
+        if is_committed(self.storage, os.path.join(self.dirpath, step_dirname(step))):
+            raise StepAlreadyCommittedError(f"step {step} is already committed in {self.dirpath} (keep_in_memory="
+                                            "'host'); lazyckpt never overwrites a checkpoint (use a new step number)")
+        self._disk_steps.check_order(step)
+
+    def remove(self, step: int) -> bool:
+        """Delete ``dirpath``'s copy of ``step`` (renamed to a partial name first); False if there was none."""
+        return self._disk_steps.remove(step)
 
     def before_save(self, job: CheckpointJob) -> None:
         """Before ``job`` is registered for its copy to disk: check once that two snapshots fit in the host
@@ -200,7 +223,7 @@ def host_folders(root: str | None = None, storage: Storage | None = None) -> lis
     found = []
     for name in sorted(storage.list_dir(root)):
         path = os.path.join(root, name)
-        dirpath = _owner(storage, path)
+        dirpath = host_folder_owner(storage, path)
         steps = committed_steps(path, storage)
         on_disk = committed_steps(dirpath, storage) if dirpath and storage.stat(dirpath) is not None else {}
         nbytes = sum(_tree_bytes(storage, os.path.join(path, n)) for n in storage.list_dir(path)
@@ -225,7 +248,8 @@ def clear_host_folders(root: str | None = None, *, discard: bool = False,
     return freed, kept
 
 
-def _owner(storage: Storage, folder: str) -> str | None:
+def host_folder_owner(storage: Storage, folder: str) -> str | None:
+    """The ``dirpath`` whose host folder ``folder`` is (its owner note), or None when it is none."""
     try:
         return json.loads(storage.read_bytes(os.path.join(folder, OWNER_NOTE), max_bytes=1 << 16)).get("dirpath")
     except (OSError, ValueError):
