@@ -61,6 +61,16 @@ class PendingCheckpoint:
         self.wait(timeout)
         return wait_for_upload(self._upload, remaining(deadline))
 
+    def remote_done(self, *, wait: bool = False) -> bool:
+        """True once this checkpoint's upload ended (committed on the remote level, or failed: see
+        :attr:`remote_failed`), or when none is due; ``wait``: block until then. Any thread; never raises."""
+        return self._upload is None or self._upload.done.is_set() or (wait and self._upload.done.wait())
+
+    @property
+    def remote_failed(self) -> bool:
+        """True once this checkpoint's upload failed (:meth:`wait_remote` raises its error)."""
+        return self._upload is not None and self._upload.error is not None
+
     @property
     def failed(self) -> bool:
         """True once this checkpoint has failed (see :attr:`error`)."""

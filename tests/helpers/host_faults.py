@@ -18,20 +18,26 @@ STALL_TIMEOUT_S = 120.0
 """How long a crash waits for the stalled copy to begin before it gives up (a broken run, not a slow one)."""
 
 
-def stall_copy_to_disk(step: int) -> threading.Event:
-    """Patch the uploader so that the copy of ``step`` to ``dirpath`` blocks forever before its first byte;
-    returns an event set when that copy would have begun."""
+def gate_copy_to_disk(step: int, release: threading.Event, patch=setattr) -> threading.Event:
+    """Patch the uploader so that the copy of ``step`` to ``dirpath`` waits for ``release`` before its first byte;
+    returns an event set when that copy would have begun. ``patch`` replaces the method (pytest's
+    ``monkeypatch.setattr`` undoes it after the test; ``setattr`` keeps it for the rest of the process)."""
     reached = threading.Event()
     copy_step = RemoteLevel._upload_step
 
-    def stalled(self, step_url: str, local_dir: str, attempt: str) -> int:
+    def gated(self, step_url: str, local_dir: str, attempt: str) -> int:
         if step_of_dir(local_dir) == step:
             reached.set()
-            threading.Event().wait()  # never set: the process dies with this copy not begun
+            release.wait()
         return copy_step(self, step_url, local_dir, attempt)
 
-    RemoteLevel._upload_step = stalled
+    patch(RemoteLevel, "_upload_step", gated)
     return reached
+
+
+def stall_copy_to_disk(step: int) -> threading.Event:
+    """:func:`gate_copy_to_disk` never released: the process dies with that copy not begun."""
+    return gate_copy_to_disk(step, threading.Event())
 
 
 def crash_once_stalled(reached: threading.Event, exit_code: int) -> None:

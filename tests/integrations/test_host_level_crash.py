@@ -40,3 +40,44 @@ def test_accelerate_resumes_the_step_only_the_host_folder_holds_bit_exact_and_co
     assert _steps(ckpt) == [per_epoch * e for e in range(1, EPOCHS + 1)]
     assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"
 
+
+
+def test_lightning_resumes_last_from_the_host_folder_bit_exact_and_its_names_live_in_dirpath(tmp_path):
+    import torch
+    from helpers.lightning_run import final_state, run
+    from test_lightning_resume import _assert_identical, _train
+
+    trainer, model, _ = run(str(tmp_path / "full"), callback_kwargs={"save_top_k": -1, "save_last": True})
+    torch.save(final_state(model, trainer), tmp_path / "full.pt")  # uninterrupted, in this process
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    host = ("--host-memory-dir", shm)
+    _train(ckpt, *host, "--stall-copy-of", 16, "--crash-at", 18, expect_rc=17)
+    assert _steps(ckpt) == [8], "the crash came before step 16 was copied to dirpath"
+    assert 16 in _steps(host_dir(str(ckpt), str(shm)))
+
+    _train(ckpt, *host, "--resume", "last", out=tmp_path / "resumed.pt")
+    _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)  # from step 16
+    assert _steps(ckpt) == [8, 16, 24]
+    assert os.path.realpath(ckpt / "last.ckpt") == str(ckpt / "step-0000024"), "ModelCheckpoint's names in dirpath"
+    assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"
+
+
+def test_lightning_top_k_and_names_act_on_dirpath_and_the_host_folder_holds_two_steps_at_most(tmp_path, monkeypatch):
+    from helpers.lightning_run import run
+
+    from lazyckpt.levels.host import HostLevel
+
+    held = []
+    before_save = HostLevel.before_save
+    monkeypatch.setattr(HostLevel, "before_save", lambda self, job: (
+        held.append(len(committed_steps(self.folder))), before_save(self, job))[-1])
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    _, _, callback = run(str(ckpt), max_epochs=5, callback_kwargs={
+        "monitor": "val_loss", "save_top_k": 1, "save_last": True, "keep_in_memory": "host",
+        "engine_options": {"host_memory_dir": str(shm)}})
+    assert len(held) == 5 and max(held) <= 2, held
+    best = os.path.realpath(callback.best_model_path)
+    assert os.path.dirname(best) == str(ckpt), "names live in dirpath, next to the steps copied there"
+    assert os.path.realpath(callback.last_model_path) == str(ckpt / "step-0000040")
+    assert {f"step-{s:07d}" for s in _steps(ckpt)} == {os.path.basename(best), "step-0000040"}, "top-k retention"
+    assert not os.path.exists(host_dir(str(ckpt), str(shm)))
