@@ -226,8 +226,8 @@ class LazyCheckpointer:
         """
         if self._inflight.find(step) is not None:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
-        removed = self._steps.remove(step)
-        return self._host.remove(step) or removed if self._host is not None else removed
+        on_disk = self._host is not None and self._host.remove(step)  # first: it waits for a copy under way
+        return self._steps.remove(step) or on_disk
 
     def memory_snapshot(self, *, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.

@@ -130,7 +130,9 @@ class HostLevel:
         self._disk_steps.check_order(step)
 
     def remove(self, step: int) -> bool:
-        """Delete ``dirpath``'s copy of ``step`` (renamed to a partial name first); False if there was none."""
+        """Delete ``dirpath``'s copy of ``step`` (renamed to a partial name first) once its copy there ended;
+        False if there was none. Its local checkpoint must be committed (or failed) already."""
+        self.remote.wait_for(step)  # a copy under way would write into the removed directory
         return self._disk_steps.remove(step)
 
     def before_save(self, job: CheckpointJob) -> None:

@@ -5,6 +5,7 @@ none of them (after a clean close it is empty): never overwritten, never passed 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -39,3 +40,21 @@ def test_a_lower_step_moves_dirpaths_newer_ones_aside_when_asked(tmp_path):
         second.save({"w": torch.zeros(4)}, step=3).wait()
     assert sorted(committed_steps(str(tmp_path / "ckpt"))) == [3]
     assert os.path.isdir(tmp_path / "ckpt" / "step-0000005.superseded")
+
+
+def test_remove_waits_for_the_copy_under_way_so_the_step_does_not_come_back_in_dirpath(tmp_path, monkeypatch):
+    from helpers.host_faults import gate_copy_to_disk
+
+    from lazyckpt.levels.remote.upload import RemoteLevel
+
+    release = threading.Event()
+    reached = gate_copy_to_disk(2, release, patch=monkeypatch.setattr)
+    wait_for = RemoteLevel.wait_for
+    monkeypatch.setattr(RemoteLevel, "wait_for", lambda self, step: (release.set(), wait_for(self, step))[-1])
+    with _host(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1).wait_remote()
+        ckpt.save({"w": torch.ones(4)}, step=2).wait()
+        assert reached.wait(30), "committed in the host folder, its copy to dirpath held back"
+        assert ckpt.remove(2)
+        release.set()  # (without the wait in remove(), the copy went on only now)
+    assert sorted(committed_steps(str(tmp_path / "ckpt"))) == [1]

@@ -202,6 +202,14 @@ class RemoteLevel:
                 self.cancel(upload.step)
             upload.done.wait()
 
+    def wait_for(self, step: int) -> None:
+        """Wait until the upload of ``step`` ended, when one is under way (its local checkpoint is committed:
+        the upload needs nothing more from the training thread)."""
+        with self._lock:
+            upload = self._uploads.get(step)
+        if upload is not None:
+            upload.done.wait()
+
     def cancel(self, step: int) -> None:
         """The local checkpoint of ``step`` failed: there is nothing to upload (its own error is reported)."""
         with self._lock:
