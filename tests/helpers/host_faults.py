@@ -40,7 +40,12 @@ def stall_copy_to_disk(step: int) -> threading.Event:
     return gate_copy_to_disk(step, threading.Event())
 
 
-def crash_once_stalled(reached: threading.Event, exit_code: int) -> None:
+def crash_once_stalled(reached: threading.Event, exit_code: int, *, meet=lambda: None) -> None:
     """Hard-exit (no clean-up, no atexit) once the stalled copy would have begun; exit ``exit_code + 1`` if it
-    never does (the step was never committed in the host folder)."""
-    os._exit(exit_code if reached.wait(STALL_TIMEOUT_S) else exit_code + 1)
+    never does (the step was never committed in the host folder). ``meet``: called first, once it has begun (the
+    ranks of a job meet there: a rank that dies early takes the job's store with it, and its peers never learn of
+    the commit)."""
+    if not reached.wait(STALL_TIMEOUT_S):
+        os._exit(exit_code + 1)
+    meet()
+    os._exit(exit_code)

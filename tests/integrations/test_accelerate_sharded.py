@@ -181,7 +181,7 @@ def _train_on_host_level_then_crash(rank: int, world_size: int, dirpath: str, ho
     LazyCheckpointHook(dirpath, every_n_steps=EVERY, keep_in_memory="host",  # not refused: it is a directory
                        host_memory_dir=host_memory_dir).register(accelerator)
     _iterate(accelerator, model, opt, sched, range(1, 6), rank)  # the request of step 4 goes out in step 5
-    crash_once_stalled(stalled, 13)
+    crash_once_stalled(stalled, 13, meet=torch.distributed.barrier)
 
 
 def _resume_on_host_level(rank: int, world_size: int, dirpath: str, host_memory_dir: str, out: str) -> None:
