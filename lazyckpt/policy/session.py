@@ -120,6 +120,14 @@ class CheckpointSession:
             session._users += 1
             return session
 
+    @classmethod
+    def commit_host_leftovers(cls, dirpath: Any, options: SessionOptions, *, rank: int, world_size: int) -> None:
+        """With ``keep_in_memory="host"``: commit in ``dirpath`` the steps a crash kept in its host folder only (an
+        engine opened and closed, :meth:`lazyckpt.levels.host.HostLevel.attach`), for a framework that looks for
+        checkpoints in ``dirpath`` before any session is open; every rank calls it. Nothing otherwise."""
+        if options.engine.get("keep_in_memory") == "host":
+            cls(dirpath, options, rank=rank, world_size=world_size, engine_retention=False).close()
+
     def protect(self, steps: Callable[[], Collection[int]]) -> None:
         """Never let :meth:`purge` delete the steps ``steps()`` returns (names of one sharer of the session)."""
         self._protectors.append(steps)

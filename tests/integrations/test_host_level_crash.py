@@ -81,3 +81,22 @@ def test_lightning_top_k_and_names_act_on_dirpath_and_the_host_folder_holds_two_
     assert os.path.realpath(callback.last_model_path) == str(ckpt / "step-0000040")
     assert {f"step-{s:07d}" for s in _steps(ckpt)} == {os.path.basename(best), "step-0000040"}, "top-k retention"
     assert not os.path.exists(host_dir(str(ckpt), str(shm)))
+
+
+def test_the_trainer_resumes_the_step_only_the_host_folder_holds_bit_exact_under_its_name(tmp_path):
+    pytest.importorskip("transformers")
+    from helpers.trainer_run import assert_same_weights, run_worker
+
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    ckpt, host = out / "lazyckpt", ("--epochs", "1", "--host-memory-dir", str(shm))  # 12 steps, one every 3
+    run_worker(tmp_path / "full", tmp_path / "full.st", *host[:2])
+    run_worker(out, tmp_path / "crashed.st", *host, "--stall-copy-of", "6", "--crash-at", "8", expect=3)
+    assert _steps(ckpt) == [3] and 6 in _steps(host_dir(str(ckpt), str(shm)))
+    assert not (out / "checkpoint-6").exists()
+
+    run_worker(out, tmp_path / "resumed.st", *host, "--resume", "true")
+    assert_same_weights(tmp_path / "full.st", tmp_path / "resumed.st")
+    assert os.path.realpath(out / "checkpoint-6") == str(ckpt / "step-0000006"), "committed, named, resumed from"
+    assert (out / "checkpoint-6" / "trainer_state.json").is_file()
+    assert _steps(ckpt) == [3, 6, 9, 12]
+    assert not os.path.exists(host_dir(str(ckpt), str(shm)))
