@@ -75,10 +75,13 @@ class LazyCheckpointCallback(TrainerCallback):
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _refuse_unsupported(args, kwargs.get("model"))
+        names_dir = normalize_dirpath(args.output_dir)
+        dirpath = self.dirpath or os.path.join(names_dir, "lazyckpt")
+        CheckpointSession.commit_host_leftovers(dirpath, self.options, rank=args.process_index,
+                                                world_size=args.world_size)
         if args.process_index == 0:  # before train() looks for the newest checkpoint (every rank waits for it)
-            names_dir = normalize_dirpath(args.output_dir)
             repaired = trainer_state.name_unnamed_commits(
-                LocalStorage(), self.dirpath or os.path.join(names_dir, "lazyckpt"), names_dir,
+                LocalStorage(), dirpath, names_dir,
                 load=lambda path: load(path, verify=False),
                 config_json=trainer_state.config_json(kwargs.get("model")))
             if repaired:

@@ -96,6 +96,8 @@ class LazyCheckpointer:
             if self.remote is not None:
                 self.remote.meet_through(self._rendezvous)
             self._host = HostLevel.attach(self.dirpath, self.config, self.storage, self.remote)  # None without it
+            # where retention and names act: with the host level the disk directory behind its host folder
+            self.retained_dir = self._host.dirpath if self._host is not None else self.dirpath
         except BaseException:
             self._lock.release()  # a half-built checkpointer must not keep the directory from the next one
             if getattr(self, "_rendezvous", None) is not None:
@@ -167,6 +169,8 @@ class LazyCheckpointer:
         if self.storage.stat(final_dir) is not None or ((same := self._inflight.find(step)) and not same.failed):
             raise StepAlreadyCommittedError(f"step {step} is already committed or in flight at {final_dir}; "
                                             "lazyckpt never overwrites a checkpoint (use a new step number)")
+        if self._host is not None:
+            self._host.check_step(step)  # the disk directory's steps count too
         if not self._make_room(step):
             warnings.warn(f"lazyckpt: skipped the checkpoint of step {step}: step {self._job.step} is still being "
                           "copied or written (on_busy='skip')", RuntimeWarning, stacklevel=3)
@@ -215,13 +219,15 @@ class LazyCheckpointer:
 
         The directory is first renamed to a ``*.partial`` name, so a crash mid-delete leaves debris that the
         next checkpointer removes, never a half-deleted "committed" checkpoint. Returns False if there was none.
+        With the host level, its copy in ``retained_dir`` goes too.
 
         Raises:
             ValueError: ``step`` is the checkpoint in flight.
         """
         if self._inflight.find(step) is not None:
             raise ValueError(f"step {step} is still being written; wait() for it before removing it")
-        return self._steps.remove(step)
+        on_disk = self._host is not None and self._host.remove(step)  # first: it waits for a copy under way
+        return self._steps.remove(step) or on_disk
 
     def memory_snapshot(self, *, into: Any = None, before: int | None = None) -> tuple[int, Any] | None:
         """``(step, state)`` of the newest committed snapshot kept in host memory, or None.
@@ -281,7 +287,7 @@ class LazyCheckpointer:
                 self._ends.drain(job, deliver=False, stall=False)
             if self.remote is not None:
                 self.remote.close()
-                self._purge_after_uploads()
+                self._steps.purge_after_uploads()
             if self._host is not None:
                 self._host.close(leader=self._steps.leads)
         finally:
@@ -298,14 +304,6 @@ class LazyCheckpointer:
                 self._host.tidy()
         if (error := self._earlier_failure()) is not None:
             raise error
-
-    def _purge_after_uploads(self) -> None:
-        """At close, every upload has ended: apply ``keep_last_k`` to the steps they held (normally the uploader
-        thread did already; a failed upload's step awaited its retry until now)."""
-        try:
-            self._steps.purge()
-        except Exception as e:  # noqa: BLE001 - every checkpoint is committed; only clean-up failed
-            logger.warning("lazyckpt: keep_last_k clean-up at close failed: %r", e)
 
     def __enter__(self) -> LazyCheckpointer:
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from lazyckpt.levels.remote.upload import RemoteUpload, wait_for_upload
+from lazyckpt.levels.remote.tickets import RemoteUpload, wait_for_upload
 from lazyckpt.write.job import CheckpointJob, remaining
 
 Barrier = Callable[[CheckpointJob, "float | None"], bool]
@@ -60,6 +60,16 @@ class PendingCheckpoint:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait(timeout)
         return wait_for_upload(self._upload, remaining(deadline))
+
+    def remote_done(self, *, wait: bool = False) -> bool:
+        """True once this checkpoint's upload ended (committed on the remote level, or failed: see
+        :attr:`remote_failed`), or when none is due; ``wait``: block until then. Any thread; never raises."""
+        return self._upload is None or self._upload.done.is_set() or (wait and self._upload.done.wait())
+
+    @property
+    def remote_failed(self) -> bool:
+        """True once this checkpoint's upload failed (:meth:`wait_remote` raises its error)."""
+        return self._upload is not None and self._upload.error is not None
 
     @property
     def failed(self) -> bool:

@@ -131,6 +131,14 @@ class CommittedSteps:
             for step in steps_to_purge(steps, self.config.keep_last_k, just_committed=newest, protected=uploading):
                 self.remove(step)
 
+    def purge_after_uploads(self) -> None:
+        """At close, every upload has ended: apply ``keep_last_k`` to the steps they held (normally the uploader
+        thread did already; a failed upload's step awaited its retry until now)."""
+        try:
+            self.purge()
+        except Exception as e:  # noqa: BLE001 - every checkpoint is committed; only clean-up failed
+            logger.warning("lazyckpt: keep_last_k clean-up at close failed: %r", e)
+
 
 class DirectoryLock:
     """An exclusive lock on ``dirpath/.lock-rankNNNNN``, taken through the storage (dropped if the process dies).
@@ -181,6 +189,8 @@ class DirectoryLock:
             unused = tidy and all(_is_lock(n) for n in self._storage.list_dir(self._dirpath))
             if unused and self._storage.stat(self.path) is not None:
                 self._storage.remove_file(self.path)  # while still held: no other writer can hold it meanwhile
+        except FileNotFoundError:  # another rank of this job tidied the whole directory away (a host folder)
+            unused = False
         except OSError as e:  # tidying is a courtesy: the lock is released whatever the directory does
             logger.warning("lazyckpt: could not tidy %s at close: %r", self._dirpath, e)
             unused = False

@@ -31,8 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lazyckpt.format.catalog import committed_steps
-from lazyckpt.levels.directory import DirectoryLock
+from lazyckpt.errors import StepAlreadyCommittedError
+from lazyckpt.format.catalog import committed_steps, is_committed
+from lazyckpt.format.files import step_dirname
+from lazyckpt.levels.directory import CommittedSteps, DirectoryLock
 from lazyckpt.storage import FileKind, LocalStorage, Storage, StorageLock, kind_of
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, host_root, is_url
 
@@ -95,6 +97,9 @@ class HostLevel:
         storage.make_dir(self.dirpath)
         # dirpath is this job's too: a checkpointer writing it without the host level is refused, as is a second one
         self._disk_lock = DirectoryLock(self.dirpath, config.rank, storage, config.world_size, made=made)
+        self._disk_steps = CommittedSteps(self.dirpath, storage, config, rendezvous=None, remote=None)
+        """``dirpath``'s steps: a save checks its order against them, a removal removes there (the remote level
+        writes and prunes them)."""
         self._budget_checked = False
 
     @classmethod
@@ -112,6 +117,26 @@ class HostLevel:
             level._disk_lock.release()
             raise
         return level
+
+    def check_step(self, step: int) -> None:
+        """Before a save of ``step``: ``dirpath``'s committed steps are this checkpointer's too, though the host
+        folder holds only the newest (after a clean close, none): one of them is never overwritten, and a lower
+        step is refused or moves the newer ones aside as in any directory (``on_older_step``).
+
+        Raises:
+            StepAlreadyCommittedError: ``dirpath`` holds ``step`` committed.
+            StepOrderError: ``step`` is lower than ``dirpath``'s newest and ``on_older_step="error"``.
+        """
+        if is_committed(self.storage, os.path.join(self.dirpath, step_dirname(step))):
+            raise StepAlreadyCommittedError(f"step {step} is already committed in {self.dirpath} (keep_in_memory="
+                                            "'host'); lazyckpt never overwrites a checkpoint (use a new step number)")
+        self._disk_steps.check_order(step)
+
+    def remove(self, step: int) -> bool:
+        """Delete ``dirpath``'s copy of ``step`` (renamed to a partial name first) once its copy there ended;
+        False if there was none. Its local checkpoint must be committed (or failed) already."""
+        self.remote.wait_for(step)  # a copy under way would write into the removed directory
+        return self._disk_steps.remove(step)
 
     def before_save(self, job: CheckpointJob) -> None:
         """Before ``job`` is registered for its copy to disk: check once that two snapshots fit in the host
@@ -289,7 +314,7 @@ def _folder_paths(storage: Storage, root: str) -> list[str]:
 
 
 def _describe(storage: Storage, path: str, *, live: bool | None) -> HostFolder:
-    dirpath = _owner(storage, path)
+    dirpath = host_folder_owner(storage, path)
     steps = committed_steps(path, storage)
     newest_on_disk = max(committed_steps(dirpath, storage), default=-1) if dirpath is not None else -1
     nbytes = sum(_tree_bytes(storage, os.path.join(path, n)) for n in storage.list_dir(path)
@@ -297,7 +322,8 @@ def _describe(storage: Storage, path: str, *, live: bool | None) -> HostFolder:
     return HostFolder(path, dirpath, live, nbytes, sorted(steps), sorted(s for s in steps if s > newest_on_disk))
 
 
-def _owner(storage: Storage, folder: str) -> str | None:
+def host_folder_owner(storage: Storage, folder: str) -> str | None:
+    """The ``dirpath`` whose host folder ``folder`` is (its owner note), or None when it is none."""
     try:
         owner = json.loads(storage.read_bytes(os.path.join(folder, OWNER_NOTE), max_bytes=1 << 16)).get("dirpath")
     except (OSError, ValueError, AttributeError):

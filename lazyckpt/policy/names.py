@@ -173,18 +173,19 @@ class CheckpointNames:
 
     def poll(self, *, block: bool = False, limit: int | None = None) -> list[Committed]:
         """Publish the requests that are committed (all of them when ``block``), oldest first; reports and
-        returns them.
+        returns them. With the host level a request counts once its copy to the disk directory is committed: the
+        names are there (:meth:`CheckpointSession.landed`).
 
         A failed request is dropped with its name changes; the engine raises its failure at its next call.
         """
         committed: list[Committed] = []
         while self._requests and (limit is None or len(committed) < limit):
             request = self._requests[0]
-            if not block and not request.pending.done():
+            if not block and not self._session.landed(request.pending):
                 break
             self._requests.pop(0)
             request.finished = True
-            if request.pending.failed or request.pending.wait() is None:
+            if not self._session.wait_landed(request.pending):
                 continue
             stats = next((s for s in reversed(self._session.engine.stats) if s.step == request.step), None)
             self._publish(request)

@@ -158,13 +158,13 @@ def project_defaults(dirpath: str | os.PathLike[str] | None, options: SessionOpt
 def url_dirpath_levels(dirpath: str | os.PathLike[str] | None,
                        options: SessionOptions) -> tuple[str | os.PathLike[str] | None, SessionOptions]:
     """``(local directory, options)`` for ``dirpath``: for a URL, the spool directory and ``options`` whose remote
-    level is that URL; with ``keep_in_memory="host"``, the host folder and ``dirpath`` as the remote level; anything
-    else is returned unchanged.
+    level is that URL; anything else is returned unchanged. With ``keep_in_memory="host"`` too: the names stay in
+    ``dirpath``, next to the steps the host level copies there (the engine keeps its host folder to itself).
 
     Raises:
         ValueError: ``remote=`` names another URL, or ``remote_every_n`` is not 1 (every checkpoint goes remote).
     """
-    if dirpath is None or not (is_url(dirpath) or options._config.host_level):
+    if not is_url(dirpath):
         return dirpath, options
     spool, config = split_levels(normalize_dirpath(dirpath), options._config)
     return spool, dataclasses.replace(options, remote=config.remote, remote_keep_last_k=config.remote_keep_last_k,

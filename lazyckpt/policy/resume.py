@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, STEP_DIR
+from lazyckpt.levels.host import host_folder_owner
 from lazyckpt.read.load import latest
 from lazyckpt.storage import FileKind, LocalStorage, Storage, kind_of
 
@@ -49,8 +50,11 @@ def run_directory(dirpath: str, resumed_from: str | None, *, taken: Iterable[str
     real = {storage.resolve(os.path.abspath(d)): d for d in candidates}
     if resumed_from:
         step_dir = storage.resolve(os.path.abspath(resumed_from))
-        if STEP_DIR.fullmatch(os.path.basename(step_dir)) and os.path.dirname(step_dir) in real:
-            return real[os.path.dirname(step_dir)]
+        parent = os.path.dirname(step_dir)
+        owner = host_folder_owner(storage, parent)  # a step in a host folder belongs to the directory it serves
+        parent = storage.resolve(owner) if owner is not None else parent
+        if STEP_DIR.fullmatch(os.path.basename(step_dir)) and parent in real:
+            return real[parent]
     for path in taken:
         if storage.resolve(os.path.abspath(path)) in real:
             return real[storage.resolve(os.path.abspath(path))]
@@ -62,15 +66,19 @@ def run_directory(dirpath: str, resumed_from: str | None, *, taken: Iterable[str
     return os.path.join(dirpath, f"run-{(int(last.group(1)) if last else 0) + 1:03d}")
 
 
-def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Storage | None = None) -> str | None:
+def newest_checkpoint(dirpath: str, *, others: Iterable[str] = (), storage: Storage | None = None,
+                      host_level: bool = False, host_memory_dir: str | None = None) -> str | None:
     """The newest of ``dirpath``'s newest committed lazyckpt checkpoint (its own or a run directory's: the newest
     commit) and the other tool's checkpoints in ``others`` (files, or directories of a sharded save; names that are
     links, e.g. lazyckpt's own ``last.ckpt``, are skipped: they point at step directories already counted). A
     lazyckpt checkpoint's time is its commit (its manifest), another's when it was written (:func:`_written_at`).
-    ``None`` when there is neither."""
+    ``host_level``: a newer step in a directory's host folder under ``host_memory_dir`` counts (a crash kept it
+    from the directory). ``None`` when there is neither."""
     storage = storage if storage is not None else LocalStorage()
     times: dict[str, float] = {}
-    for newest in filter(None, (latest(d, storage=storage) for d in run_dirs(dirpath, storage))):
+    found = (latest(d, host_memory_dir=host_memory_dir) if host_level else latest(d, storage=storage)
+             for d in run_dirs(dirpath, storage))
+    for newest in filter(None, found):
         info = storage.stat(os.path.join(newest, MANIFEST))
         times[newest] = info.mtime if info is not None else float("-inf")
     for path in others:
@@ -103,4 +111,5 @@ def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] =
     options.newest_on_this_node(dirpath)
     if kind_of(LocalStorage(), dirpath) is not FileKind.DIR:
         return None
-    return newest_checkpoint(dirpath, others=others)
+    return newest_checkpoint(dirpath, others=others, host_level=options.engine.get("keep_in_memory") == "host",
+                             host_memory_dir=options.engine.get("host_memory_dir"))

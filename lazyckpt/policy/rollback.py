@@ -178,7 +178,9 @@ class RollbackPolicy:
         if snapshot is not None:
             return Restored(snapshot[0], bad_step, "memory", snapshot[1])
         engine = self.engine
-        before = {s: p for s, p in committed_steps(engine.dirpath, engine.storage).items() if s < bad_step}
+        kept = {**committed_steps(engine.retained_dir, engine.storage),  # the host level's disk directory,
+                **committed_steps(engine.dirpath, engine.storage)}  # and its host folder's copy first
+        before = {s: p for s, p in kept.items() if s < bad_step}
         if before:
             step = max(before)
             state = load(before[step], verify=engine.config.verify_on_load, rank=engine.config.rank,

@@ -88,6 +88,8 @@ class CheckpointSession:
         """Steps a purge would have deleted but for their upload in flight: deleted once it ends."""
         self._purge_lock = threading.Lock()
         """One purge at a time: the training thread's, and the uploader thread's once a deferred step uploaded."""
+        self._names_follow_copy = self.engine.retained_dir != self.engine.dirpath
+        """The host level: steps are kept (and named) in the disk directory its host folder is copied to."""
         if self.engine.remote is not None:
             self._purge_when_uploaded(self.engine.remote)
 
@@ -117,6 +119,14 @@ class CheckpointSession:
                                  "engine options (or different directories)")
             session._users += 1
             return session
+
+    @classmethod
+    def commit_host_leftovers(cls, dirpath: Any, options: SessionOptions, *, rank: int, world_size: int) -> None:
+        """With ``keep_in_memory="host"``: commit in ``dirpath`` the steps a crash kept in its host folder only (an
+        engine opened and closed, :meth:`lazyckpt.levels.host.HostLevel.attach`), for a framework that looks for
+        checkpoints in ``dirpath`` before any session is open; every rank calls it. Nothing otherwise."""
+        if options.engine.get("keep_in_memory") == "host":
+            cls(dirpath, options, rank=rank, world_size=world_size, engine_retention=False).close()
 
     def protect(self, steps: Callable[[], Collection[int]]) -> None:
         """Never let :meth:`purge` delete the steps ``steps()`` returns (names of one sharer of the session)."""
@@ -215,13 +225,25 @@ class CheckpointSession:
             self._add_stall(self._awaiting_barrier, time.monotonic() - started)
             self._awaiting_barrier = None
 
+    def landed(self, pending: PendingCheckpoint) -> bool:
+        """``pending`` is committed (or failed) in the directory its names and retention act on: with the host
+        level, once its copy from the host folder to that disk directory ended too. Never blocks."""
+        return pending.done() and (not self._names_follow_copy or pending.remote_done())
+
+    def wait_landed(self, pending: PendingCheckpoint) -> bool:
+        """Block until ``pending`` :meth:`landed`; True when it is committed there, False when it failed there or
+        was skipped (the engine raises the failure at its next call)."""
+        if pending.failed or pending.wait() is None:
+            return False
+        return not self._names_follow_copy or (pending.remote_done(wait=True) and not pending.remote_failed)
+
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.levels.retention.steps_to_purge`):
         ``released`` ones and those beyond the newest ``keep_last_k``, never a ``protected`` one, the newest, or
         one still uploading to the remote level (a released one is deleted as soon as its upload ends, on the
         uploader thread, ``close()`` included). Returns the steps deleted."""
         with self._purge_lock:
-            committed = list(committed_steps(self.engine.dirpath, self.storage))
+            committed = list(committed_steps(self.engine.retained_dir, self.storage))
             if not committed:
                 return []
             remote = self.engine.remote
@@ -254,7 +276,7 @@ class CheckpointSession:
             if step not in self._deferred:
                 return
             self._deferred.discard(step)
-            committed = committed_steps(self.engine.dirpath, self.storage)
+            committed = committed_steps(self.engine.retained_dir, self.storage)
             kept = set().union(*(steps() for steps in self._protectors))
             if step not in committed or step == max(committed) or step in kept or not self.engine.remove(step):
                 return
@@ -263,7 +285,7 @@ class CheckpointSession:
     def resumed(self, step: int, path: str) -> None:
         """Note that the run continues from ``step`` (restored from ``path``); warns when newer checkpoints exist,
         because saving a step that is already committed fails."""
-        newer = [s for s in committed_steps(self.engine.dirpath, self.storage) if s > step]
+        newer = [s for s in committed_steps(self.engine.retained_dir, self.storage) if s > step]
         if newer:
             warnings.warn(f"lazyckpt: resumed {path}, but step {max(newer)} is newer in {self.dirpath}; saving a step "
                           "that is already committed fails, so move the newer checkpoints away before training on",

@@ -136,11 +136,23 @@ def _dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, (x[:, 0] + 0.5 * x[:, 1] > 0).long())
 
 
-def make_crash_callback(pl, crash_at: int):
+def make_crash_callback(pl, crash_at: int, stall_copy_of: int | None = None):
+    """With ``stall_copy_of`` (the host level), that step's copy to ``dirpath`` never begins and the crash waits
+    until it would have (:mod:`helpers.host_faults`): the step is then in the host folder only."""
+    stalled = None
+    if stall_copy_of is not None:
+        from helpers.host_faults import stall_copy_to_disk
+
+        stalled = stall_copy_to_disk(stall_copy_of)
+
     class CrashAt(pl.Callback):
         """Hard-exit (no cleanup, no atexit) when the loop is about to run the given step."""
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == crash_at and stalled is not None:
+                from helpers.host_faults import crash_once_stalled
+
+                crash_once_stalled(stalled, 17)
             if trainer.global_step == crash_at:
                 os._exit(17)
 
@@ -199,7 +211,7 @@ def final_state(model, trainer) -> dict:
 
 
 def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: int = -1, crash_at: int | None = None,
-        resume: str | None = None, devices: int = 1, strategy: str = "ddp", seed: int = 0,
+        stall_copy_of: int | None = None, resume: str | None = None, devices: int = 1, strategy: str = "ddp", seed: int = 0,
         callback_kwargs: dict | None = None, out_at_start: str | None = None,
         trainer_kwargs: dict | None = None, model_kwargs: dict | None = None, model_checkpoint: bool = False,
         top_k_report: str | None = None):
@@ -209,7 +221,7 @@ def run(dirpath: str, *, ns: str = "lightning", max_epochs: int = 3, max_steps: 
     pl.seed_everything(seed, verbose=False)
     model = make_module_class(pl)(**(model_kwargs or {}))
     callback = (pl.callbacks.ModelCheckpoint if model_checkpoint else lazy_checkpoint)(dirpath, **(callback_kwargs or {}))
-    callbacks = [callback] + ([make_crash_callback(pl, crash_at)] if crash_at is not None else [])
+    callbacks = [callback] + ([make_crash_callback(pl, crash_at, stall_copy_of)] if crash_at is not None else [])
     callbacks += [make_state_at_start_callback(pl, out_at_start)] if out_at_start is not None else []
     callbacks += [make_top_k_report_callback(pl, top_k_report)] if top_k_report is not None else []
     if model_checkpoint:
@@ -245,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every-n-train-steps", type=int)
     parser.add_argument("--stateful-loader", action="store_true")
     parser.add_argument("--keep-in-memory", action="store_true")
+    parser.add_argument("--host-memory-dir", help="keep_in_memory='host' with this host_memory_dir")
+    parser.add_argument("--stall-copy-of", type=int, help="the host level's copy of this step to dirpath never "
+                        "begins; --crash-at waits until it would have")
     parser.add_argument("--remote", help="the remote level's URL")
     parser.add_argument("--storage-options", type=json.loads, help="its fsspec storage_options, as JSON")
     parser.add_argument("--model-checkpoint", action="store_true",
@@ -254,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     cb_kwargs = {"save_top_k": -1, "save_last": True}
     if not args.model_checkpoint:
         cb_kwargs["keep_in_memory"] = args.keep_in_memory
+    if args.host_memory_dir:
+        cb_kwargs.update(keep_in_memory="host", engine_options={"host_memory_dir": args.host_memory_dir})
     if args.top_k_report:
         cb_kwargs.update(monitor="val_loss", save_top_k=1)
     if args.remote:
@@ -261,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.every_n_train_steps:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
     trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
+                            stall_copy_of=args.stall_copy_of,
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
                             model_kwargs={"stateful_loader": args.stateful_loader,
                                           "batch_norm": args.strategy != "tensor_parallel"},

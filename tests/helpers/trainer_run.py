@@ -67,12 +67,18 @@ class NoSyncSaveTrainer(NoSyncSave, Trainer):
 
 class CrashAt(TrainerCallback):
     """Kill the process at a step's beginning, once the checkpoints requested so far are committed and named (on a
-    loaded machine the writer may lag several steps: the test needs one to resume from, whatever the timing)."""
+    loaded machine the writer may lag several steps: the test needs one to resume from, whatever the timing).
+    ``stalled``: the host level's copy of a step to ``dirpath`` never begins (:mod:`helpers.host_faults`); the
+    crash comes once it would have, that step committed in the host folder only."""
 
-    def __init__(self, step: int, lazy: LazyCheckpointCallback | None) -> None:
-        self.step, self.lazy = step, lazy
+    def __init__(self, step: int, lazy: LazyCheckpointCallback | None, stalled=None) -> None:
+        self.step, self.lazy, self.stalled = step, lazy, stalled
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.stalled is not None:
+            from helpers.host_faults import crash_once_stalled
+
+            crash_once_stalled(self.stalled, 3)
         if state.global_step == self.step:
             if self.lazy is not None:
                 self.lazy.wait()
@@ -128,6 +134,9 @@ def main() -> None:
     p.add_argument("--trl", action="store_true", help="TRL's SFTTrainer")
     p.add_argument("--lora", action="store_true", help="with a PEFT LoRA adapter (with --trl)")
     p.add_argument("--plain", action="store_true", help="a plain Trainer: no callback, lazyckpt never imported")
+    p.add_argument("--host-memory-dir", help="keep_in_memory='host' with this host_memory_dir")
+    p.add_argument("--stall-copy-of", type=int, help="the host level's copy of this step to dirpath never begins; "
+                   "--crash-at waits until it would have")
     a = p.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
@@ -138,12 +147,18 @@ def main() -> None:
                      learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0,
                      **(dict(eval_strategy="steps", eval_steps=3, load_best_model_at_end=True,
                              metric_for_best_model="eval_loss", greater_is_better=False) if a.best else {}))
-    lazy = None
+    lazy = stalled = None
     if not a.plain:
         from lazyckpt import LazyCheckpointCallback
 
-        lazy = LazyCheckpointCallback()
-    callbacks = ([] if lazy is None else [lazy]) + ([CrashAt(a.crash_at, lazy)] if a.crash_at is not None else [])
+        host = {"keep_in_memory": "host", "host_memory_dir": a.host_memory_dir} if a.host_memory_dir else {}
+        lazy = LazyCheckpointCallback(**host)
+    if a.stall_copy_of is not None:
+        from helpers.host_faults import stall_copy_to_disk
+
+        stalled = stall_copy_to_disk(a.stall_copy_of)
+    callbacks = ([] if lazy is None else [lazy]) + ([CrashAt(a.crash_at, lazy, stalled)] if a.crash_at is not None
+                                                    else [])
     if a.trl:
         trainer = sft_trainer(a, model, arguments, callbacks, eval_n=8 if a.best else None)
     else:
@@ -167,4 +182,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers.*
     main()

@@ -50,14 +50,19 @@ def train(args: argparse.Namespace) -> None:
     warnings.filterwarnings("error", "lazyckpt. no forward", RuntimeWarning)  # every request must overlap
 
     accelerator, model, opt, loader, sched = build()
-    hook = None
+    hook = stalled = None
     start_epoch = resumed_from = 0
     if args.dirpath:
-        hook = LazyCheckpointHook(args.dirpath, every_n_steps=len(loader)).register(accelerator)
+        host = {"keep_in_memory": "host", "host_memory_dir": args.host_memory_dir} if args.host_memory_dir else {}
+        hook = LazyCheckpointHook(args.dirpath, every_n_steps=len(loader), **host).register(accelerator)
         resumed_from = hook.resume()
         if resumed_from % len(loader):
             raise SystemExit(f"resumed from step {resumed_from}, which is not an epoch boundary")
         start_epoch = resumed_from // len(loader)
+    if args.stall_copy_of:
+        from helpers.host_faults import stall_copy_to_disk
+
+        stalled = stall_copy_to_disk(args.stall_copy_of)
     step = resumed_from
     for _ in range(start_epoch, EPOCHS):
         for x, y in loader:
@@ -68,6 +73,10 @@ def train(args: argparse.Namespace) -> None:
             sched.step()
             opt.zero_grad()
             step += 1
+            if step == args.crash_at and stalled is not None:
+                from helpers.host_faults import crash_once_stalled
+
+                crash_once_stalled(stalled, CRASH_EXIT_CODE)  # that step is in the host folder, not in dirpath
             if step == args.crash_at:
                 os._exit(CRASH_EXIT_CODE)  # no atexit, no close(): whatever is in flight is lost
     if hook is not None:
@@ -85,6 +94,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for final-<rank>.pt")
     parser.add_argument("--dirpath", help="checkpoint directory (none: train without checkpoints)")
     parser.add_argument("--crash-at", type=int, default=0, help="os._exit right after this step")
+    parser.add_argument("--host-memory-dir", help="keep_in_memory='host' with this host_memory_dir")
+    parser.add_argument("--stall-copy-of", type=int, help="the copy of this step to dirpath never begins; "
+                        "--crash-at waits until it would have")
     train(parser.parse_args())
 
 
@@ -191,4 +203,5 @@ class _any_failure:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers.*
     main()

@@ -169,6 +169,53 @@ def test_resume_on_an_empty_node_reads_the_shards_from_the_remote_bit_exact(trai
     assert not node_b.exists() or not any(n.startswith("step-") for n in os.listdir(node_b))
 
 
+def _train_on_host_level_then_crash(rank: int, world_size: int, dirpath: str, host_memory_dir: str) -> None:
+    """Checkpoints every EVERY steps through the host level; the copy of step 4 to ``dirpath`` never begins, and
+    both processes die once it would have (step 4 is then committed in the host folder only)."""
+    from helpers.host_faults import crash_once_stalled, stall_copy_to_disk
+
+    from lazyckpt import LazyCheckpointHook
+
+    accelerator, model, opt, sched = _fsdp2_run(rank, world_size)
+    stalled = stall_copy_to_disk(4)
+    LazyCheckpointHook(dirpath, every_n_steps=EVERY, keep_in_memory="host",  # not refused: it is a directory
+                       host_memory_dir=host_memory_dir).register(accelerator)
+    _iterate(accelerator, model, opt, sched, range(1, 6), rank)  # the request of step 4 goes out in step 5
+    crash_once_stalled(stalled, 13, meet=torch.distributed.barrier)
+
+
+def _resume_on_host_level(rank: int, world_size: int, dirpath: str, host_memory_dir: str, out: str) -> None:
+    from lazyckpt import LazyCheckpointHook
+
+    accelerator, model, opt, sched = _fsdp2_run(rank, world_size)
+    hook = LazyCheckpointHook(dirpath, every_n_steps=EVERY, keep_in_memory="host",
+                              host_memory_dir=host_memory_dir).register(accelerator)
+    step = hook.resume()
+    resumed = _full_state(model, opt, sched)
+    hook.close()
+    if rank == 0:
+        torch.save({"step": step, "resumed": resumed}, out)
+
+
+def test_the_host_level_under_fsdp2_keeps_the_shards_a_crash_kept_from_dirpath_and_resumes_bit_exact(
+        trained, tmp_path):
+    from lazyckpt.format.catalog import committed_steps
+    from lazyckpt.storage.urls import host_dir
+
+    ckpt, shm = str(tmp_path / "ckpt"), str(tmp_path / "shm")
+    codes = run_ranks(_train_on_host_level_then_crash, 2, ckpt, shm, meet_at_end=False)
+    assert codes == {0: 13, 1: 13}
+    assert sorted(committed_steps(ckpt)) == [2] and 4 in committed_steps(host_dir(ckpt, shm))
+    run_ranks(_resume_on_host_level, 2, ckpt, shm, str(tmp_path / "resumed.pt"))
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert resumed["step"] == 4, "the host folder's step, committed in dirpath before the resume"
+    _assert_same(resumed["resumed"], trained[1]["at_four"])
+    assert sorted(os.listdir(tmp_path / "ckpt" / "step-0000004")) == [
+        "manifest.json", "rank-00000-of-00002.safetensors", "rank-00000.json", "rank-00001-of-00002.safetensors",
+        "rank-00001.json"]
+    assert not os.path.exists(host_dir(ckpt, shm)), "a clean close frees the host folder"
+
+
 def _refusals(rank: int, world_size: int, dirpath: str) -> None:
     from lazyckpt import LazyCheckpointHook
 

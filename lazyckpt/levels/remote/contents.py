@@ -12,7 +12,7 @@ import logging
 from collections.abc import Collection
 
 from lazyckpt.format.catalog import catalog, committed_steps
-from lazyckpt.format.files import MANIFEST, STEP_DIR
+from lazyckpt.format.files import MANIFEST, STEP_DIR, SUPERSEDED_SUFFIX
 from lazyckpt.storage import Storage
 from lazyckpt.storage.urls import join
 
@@ -38,12 +38,13 @@ def remove_partial_uploads(storage: Storage, url: str, *, below: int | None = No
 
     A newer one may be the upload another live job is writing right now; an older one is nobody's once a newer
     step is committed, except a failed upload this job still retries. A ``step-*`` entry that is no step directory
-    at all is nobody's upload either and goes too.
+    at all is nobody's upload either and goes too, except a checkpoint moved aside (``step-N.superseded``: kept on
+    purpose, in a ``file://`` remote that is the host level's disk directory).
     """
     committed, partial = listing if listing is not None else remote_steps(storage, url)
     limit = below if below is not None else max(committed, default=None)
-    doomed = [entry for entry in partial if (step := _step_of(entry)) is None
-              or limit is not None and step < limit and step not in keep]
+    doomed = [entry for entry in partial if not entry.rstrip("/").endswith(SUPERSEDED_SUFFIX) and (
+              (step := _step_of(entry)) is None or limit is not None and step < limit and step not in keep)]
     for entry in doomed:
         storage.remove_tree(entry)
     if doomed:

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lazyckpt.errors import CheckpointFormatError
@@ -30,6 +29,7 @@ from lazyckpt.format.files import MANIFEST, rank_file, rank_manifest, rank_membe
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES
 from lazyckpt.levels.remote.contents import remote_steps, remove_partial_uploads, remove_remote_step
 from lazyckpt.levels.remote.meeting import RemoteMeeting, StoreMeeting, upload_attempt
+from lazyckpt.levels.remote.tickets import CompletedUpload, RemoteUpload
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.read.reader import CheckpointReader
 from lazyckpt.storage import LocalStorage, Storage
@@ -46,34 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class RemoteUpload:
-    """One step due for upload: finished once it is committed remotely, failed, or cancelled."""
-
-    step: int
-    url: str
-    job: CheckpointJob
-    """The local checkpoint: nothing is uploaded when it fails."""
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    error_delivered: bool = False
-    seconds: float = 0.0
-    nbytes: int = 0
-    retry: bool = False
-    """This is the one retry of a failed upload (made at the next commit); it is not retried again."""
-
-
-@dataclass(frozen=True)
-class CompletedUpload:
-    """What :attr:`RemoteLevel.completed` keeps of a committed upload: not its job, whose tree, entries and
-    checksums would otherwise stay in memory for every step of the run (the host level uploads every step)."""
-
-    step: int
-    url: str
-    nbytes: int
-    seconds: float
-
-
 _COPY_BYTES = 8 << 20
 """Piece size when a local level that is not plain files (e.g. in memory) is copied to the remote."""
 
@@ -85,16 +57,6 @@ def open_remote_level(config: CheckpointConfig, local: Storage) -> RemoteLevel |
     return RemoteLevel(config.remote, config.storage_options, local, every_n=config.remote_every_n,
                        keep_last_k=config.remote_keep_last_k, rank=config.rank, world_size=config.world_size,
                        timeout_s=config.remote_timeout_s)
-
-
-def wait_for_upload(upload: RemoteUpload, timeout: float | None) -> str:
-    """The remote URL of ``upload`` once committed there; raises its failure (once reported, still raised)."""
-    if not upload.done.wait(timeout):
-        raise TimeoutError(f"checkpoint of step {upload.step} not committed on {upload.url} within {timeout}s")
-    if upload.error is not None:
-        upload.error_delivered = True
-        raise upload.error
-    return upload.url
 
 
 class RemoteLevel:
@@ -222,6 +184,14 @@ class RemoteLevel:
             upload.job.wait_done()
             if upload.job.error is not None:  # never committed locally: nothing to upload
                 self.cancel(upload.step)
+            upload.done.wait()
+
+    def wait_for(self, step: int) -> None:
+        """Wait until the upload of ``step`` ended, when one is under way (its local checkpoint is committed:
+        the upload needs nothing more from the training thread)."""
+        with self._lock:
+            upload = self._uploads.get(step)
+        if upload is not None:
             upload.done.wait()
 
     def cancel(self, step: int) -> None:

@@ -1,0 +1,69 @@
+"""The policy layer with the host level (``keep_in_memory="host"``): names and retention act on ``dirpath`` (the
+disk directory the host folder is copied to), and a step a crash kept in the host folder is what a resume finds."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from helpers.host_faults import gate_copy_to_disk
+
+from lazyckpt.format.catalog import committed_steps
+from lazyckpt.policy import CheckpointNames, CheckpointSession, SessionOptions, resume_target, run_directory
+from lazyckpt.storage.urls import host_dir
+
+
+def host_options(shm) -> SessionOptions:
+    return SessionOptions(owner="Adapter", source="the framework",
+                          engine={"keep_in_memory": "host", "host_memory_dir": str(shm), "fsync": False})
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """The copy of step 2 to dirpath waits for ``release``: ``(reached, release)``."""
+    release = threading.Event()
+    reached = gate_copy_to_disk(2, release, patch=monkeypatch.setattr)
+    yield reached, release
+    release.set()  # whatever the test did: the uploader thread must not wait for ever
+
+
+def _save(session, step):
+    return session.save(step, replicated={"w": torch.full((4,), float(step))}, per_rank={})
+
+
+def test_a_name_follows_the_copy_to_dirpath_not_the_commit_in_the_host_folder(tmp_path, gated):
+    reached, release = gated
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    session = CheckpointSession(ckpt, host_options(shm), rank=0, world_size=1, engine_retention=False)
+    names = CheckpointNames(session, lambda step: _save(session, step))
+    for step in (1, 2):
+        names.plan(step, str(ckpt / "last.ckpt"))
+        names.submit()
+        session.barrier()
+    assert reached.wait(30), "step 2 is committed in the host folder"
+    names.poll(block=False)
+    assert os.readlink(ckpt / "last.ckpt") == "step-0000001", "step 2 is not in dirpath yet: not named"
+    release.set()
+    names.poll(block=True)
+    assert os.readlink(ckpt / "last.ckpt") == "step-0000002"
+    assert 2 in committed_steps(str(ckpt))
+    names.close(raise_errors=True)
+
+
+def test_a_resume_finds_the_host_folders_newer_step_and_goes_on_in_its_dirpath(tmp_path, gated):
+    reached, release = gated
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    options = host_options(shm)
+    session = CheckpointSession(ckpt, options, rank=0, world_size=1)
+    _save(session, 1).wait_remote()
+    _save(session, 2).wait()
+    assert reached.wait(30)  # as after a crash right now: step 2 in the host folder only
+    held = os.path.join(host_dir(str(ckpt), str(shm)), "step-0000002")
+    assert resume_target(str(ckpt), options) == held
+    assert resume_target(str(ckpt), SessionOptions(owner="Adapter", source="s")) == str(ckpt / "step-0000001")
+    os.makedirs(ckpt / "run-001")  # the directory of another run below it
+    assert run_directory(str(ckpt), held) == str(ckpt), "the run goes on where the host folder's step belongs"
+    release.set()
+    session.close()
