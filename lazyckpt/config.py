@@ -143,6 +143,10 @@ class CheckpointConfig:
     keep_on_close: bool = False
     """With ``keep_in_memory="host"``: a clean ``close()`` leaves the host copy in shared memory (default: frees it,
     once every checkpoint is committed in ``dirpath``)."""
+    memory_peers: int = 0
+    """With ``keep_in_memory="host"`` in a ``torch.distributed`` job over several nodes: ``1`` sends each rank's
+    newest host snapshot, in the background, to the host memory of a rank on the next node (and keeps the previous
+    node's), so a lost node's ranks restore from their peer's copy (docs/memory.md, "Peer copy"). ``0``: none."""
 
     @property
     def host_level(self) -> bool:
@@ -188,8 +192,11 @@ def _check_memory_options(config: CheckpointConfig) -> None:
     if not (config.keep_in_memory is False or config.keep_in_memory is True or config.keep_in_memory == "host"):
         raise ValueError(f"keep_in_memory={config.keep_in_memory!r} must be False, True (the in-process memory "
                          "level) or 'host' (shared memory that outlives the process, docs/memory.md)")
-    for name in ("host_memory_dir", "keep_on_close"):
-        if getattr(config, name) not in (None, False) and not config.host_level:
+    if isinstance(config.memory_peers, bool) or config.memory_peers not in (0, 1):
+        raise ValueError(f"memory_peers={config.memory_peers!r} must be 0 (no peer copy) or 1 (a copy of each "
+                         "rank's host snapshot on one rank of another node)")
+    for name in ("host_memory_dir", "keep_on_close", "memory_peers"):
+        if getattr(config, name) not in (None, False, 0) and not config.host_level:
             raise ValueError(f"{name}={getattr(config, name)!r} applies to keep_in_memory='host' only; got "
                              f"keep_in_memory={config.keep_in_memory!r}")
     root = config.host_memory_dir

@@ -7,5 +7,6 @@
 | ``directory`` | the local level: the directory lock, who leads a directory, crash leftovers, step order, ``keep_last_k`` after each commit |
 | ``retention`` | pure keep/purge decisions over committed steps, shared by every level |
 | ``aliases`` | names of checkpoints on disk (``last.ckpt -> step-0000040``), links through the storage seam |
-| ``remote`` | the remote level behind the local one (package: ``upload``, ``tickets``, ``meeting``, ``contents``, ``fetch``, ``spool``) |
+| ``peer`` | the peer copy (``memory_peers=1``): host snapshots kept on another node, restored after a lost node (package: ``wire``, ``level``, ``restore``) |
+| ``remote`` | the remote level behind the local one (package: ``upload``, ``tickets``, ``meeting``, ``contents``, ``fetch``, ``spool``, ``recovery``) |
 """

@@ -11,7 +11,7 @@ disk lags two snapshots behind, so the host folder holds at most two.
 
 After a crash (SIGKILL at any moment) the host folder is still there. The next ``LazyCheckpointer`` of the same
 ``dirpath`` with ``keep_in_memory="host"`` commits any host step newer than ``dirpath``'s newest to ``dirpath``
-first (:meth:`~lazyckpt.levels.remote.upload.RemoteLevel.recover`), then removes what the crash tore (a step
+first (:func:`~lazyckpt.levels.remote.recovery.recover_local_steps`), then removes what the crash tore (a step
 without its commit object is never loaded). Resuming then reads the host copy, every chunk checked.
 
 A clean ``close()`` frees the folder once every step is committed in ``dirpath`` (``keep_on_close=True`` keeps
@@ -35,6 +35,9 @@ from lazyckpt.errors import StepAlreadyCommittedError
 from lazyckpt.format.catalog import committed_steps, is_committed
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import CommittedSteps, DirectoryLock
+from lazyckpt.levels.peer.level import KEPT_PREFIX, PeerLevel
+from lazyckpt.levels.peer.restore import restore_lost_ranks
+from lazyckpt.levels.remote.recovery import recover_local_steps
 from lazyckpt.storage import FileKind, LocalStorage, Storage, StorageLock, kind_of
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir, host_root, is_url
 
@@ -97,10 +100,14 @@ class HostLevel:
         storage.make_dir(self.dirpath)
         # dirpath is this job's too: a checkpointer writing it without the host level is refused, as is a second one
         self._disk_lock = DirectoryLock(self.dirpath, config.rank, storage, config.world_size, made=made)
+        if remote.rendezvous is not None:  # one dirpath per node: each node's lowest rank commits its own
+            remote.share_url(remote.rendezvous.sharing(self.dirpath, storage, label="-disk"))
         self._disk_steps = CommittedSteps(self.dirpath, storage, config, rendezvous=None, remote=None)
         """``dirpath``'s steps: a save checks its order against them, a removal removes there (the remote level
         writes and prunes them)."""
         self._budget_checked = False
+        self.peer: PeerLevel | None = None
+        """The peer copy (``memory_peers=1``): this rank's host snapshots also kept on another node."""
 
     @classmethod
     def attach(cls, folder: str, config: CheckpointConfig, storage: Storage,
@@ -112,7 +119,9 @@ class HostLevel:
         assert remote is not None, "split_host_level() makes dirpath the remote level"
         level = cls(folder, config, storage, remote)
         try:
-            level.remote.recover(folder)
+            level.peer = PeerLevel.join(folder, config, storage, remote.rendezvous)
+            restore_lost_ranks(level.peer)  # a lost node's ranks first get their newest step back from its peers
+            recover_local_steps(level.remote, folder)
         except BaseException:
             level._disk_lock.release()
             raise
@@ -140,15 +149,25 @@ class HostLevel:
 
     def before_save(self, job: CheckpointJob) -> None:
         """Before ``job`` is registered for its copy to disk: check once that two snapshots fit in the host
-        folder's file system, and let at most one earlier copy to disk be unfinished (double buffering)."""
+        folder's file system (four with the peer copy: two kept for a peer), and let at most one earlier copy to
+        disk, and one transfer to the peer, be unfinished (double buffering)."""
         if not self._budget_checked:
-            _check_room(self.folder, self.storage, _job_bytes(job))
+            _check_room(self.folder, self.storage, _job_bytes(job), copies=2 if self.peer is None else 4)
             self._budget_checked = True
         self.remote.wait_backlog(1)
+        if self.peer is not None:
+            self.peer.wait_backlog(1)
+
+    def committed(self, step: int, step_dir: str) -> None:
+        """``step`` is committed in the host folder (commit thread): its transfer to the peer is queued."""
+        if self.peer is not None:
+            self.peer.submit(step, step_dir)
 
     def close(self, *, leader: bool) -> None:
         """After the last copy to disk ended: free the host folder (the leader removes every step that ``dirpath``
         holds committed; a step it does not hold stays, for the next run to commit), unless ``keep_on_close``."""
+        if self.peer is not None:
+            self.peer.close(free=not self.config.keep_on_close)
         self._disk_lock.release(tidy=True)
         if self.config.keep_on_close or not leader:
             return
@@ -187,12 +206,12 @@ def _job_bytes(job: CheckpointJob) -> int:
     return len(job.header) + sum(entry.nbytes for entry in job.entries)
 
 
-def _check_room(folder: str, storage: Storage, snapshot_bytes: int) -> None:
+def _check_room(folder: str, storage: Storage, snapshot_bytes: int, *, copies: int) -> None:
     held = sum(_tree_bytes(storage, path) for path in committed_steps(folder, storage).values())
     room = storage.free_bytes(folder) + held
-    if room < 2 * snapshot_bytes:
+    if room < copies * snapshot_bytes:
         raise ValueError(
-            f"keep_in_memory='host' holds two snapshots of {snapshot_bytes / 2**20:.1f} MiB in {folder}, and its file "
+            f"keep_in_memory='host' holds {copies} snapshots of {snapshot_bytes / 2**20:.1f} MiB in {folder}, and its file "
             f"system has room for {room / 2**20:.1f} MiB; enlarge it (e.g. mount /dev/shm with a larger size=), pass "
             "host_memory_dir= a larger tmpfs, or use keep_in_memory=False")
 
@@ -201,13 +220,14 @@ def _tree_bytes(storage: Storage, path: str) -> int:
     total = 0
     for name in storage.list_dir(path):
         info = storage.stat(os.path.join(path, name))
-        total += info.size if info is not None else 0
+        if info is not None:
+            total += _tree_bytes(storage, os.path.join(path, name)) if info.kind is FileKind.DIR else info.size
     return total
 
 
 HOST_FOLDER = re.compile(r"[0-9a-f]{16}")
 """A host folder's name: the digest of its ``dirpath`` (:func:`~lazyckpt.storage.urls.host_dir`)."""
-LEVEL_NAMES = (OWNER_NOTE, ".lock-rank", ".job-rank", "step-")
+LEVEL_NAMES = (OWNER_NOTE, ".lock-rank", ".job-rank", "step-", KEPT_PREFIX)
 """What the host level writes in a folder (with their temporary names): a folder holding anything else, and no
 owner note, is not one of its folders and is never listed nor freed."""
 CLEARING = ".clearing-"

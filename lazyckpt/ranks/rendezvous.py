@@ -110,15 +110,28 @@ class Rendezvous:
     # --- construction: who shares my directory -------------------------------------------------------------
 
     def _find_leader(self, dirpath: str, storage: Storage) -> int:
-        tag = self.prefix.rsplit("/", 1)[1]
+        self.members = self.sharing(dirpath, storage)
+        """The ranks that share this rank's directory (itself included), lowest first."""
+        return self.members[0]
+
+    def sharing(self, dirpath: str, storage: Storage, label: str = "") -> list[int]:
+        """The ranks whose ``dirpath`` is this rank's very directory, lowest first (construction only, every rank
+        together): each writes a marker there, and lists the markers once every rank wrote its own. ``label``
+        tells one such meeting of a checkpointer from another."""
+        tag = self.prefix.rsplit("/", 1)[1] + label
         marker = os.path.join(dirpath, f".member-{tag}-rank{self.rank:05d}")
         storage.write_atomic(marker, b"", sync=False)
-        self._meet("marked")
+        self._meet(f"marked{label}")
         sharing = [int(name.rsplit("rank", 1)[1]) for name in storage.list_dir(dirpath)
                    if name.startswith(f".member-{tag}-rank")]
-        self._meet("listed")
+        self._meet(f"listed{label}")
         storage.remove_file(marker)
-        return min(sharing)
+        return sorted(sharing)
+
+    def exchange(self, name: str, value: bytes) -> list[bytes]:
+        """Publish ``value`` under ``name`` and return what every rank published there, by rank (training thread,
+        every rank together: construction and recovery only)."""
+        return self._meet(f"x/{name}", value)
 
     def _meet(self, name: str, value: bytes | None = None) -> list[bytes]:
         """Every rank arrives at ``name`` before any leaves it (training thread, construction only); with a

@@ -23,7 +23,7 @@ def gate_copy_to_disk(step: int, release: threading.Event, patch=setattr) -> thr
     returns an event set when that copy would have begun. ``patch`` replaces the method (pytest's
     ``monkeypatch.setattr`` undoes it after the test; ``setattr`` keeps it for the rest of the process)."""
     reached = threading.Event()
-    copy_step = RemoteLevel._upload_step
+    copy_step = RemoteLevel.upload_step
 
     def gated(self, step_url: str, local_dir: str, attempt: str) -> int:
         if step_of_dir(local_dir) == step:
@@ -31,7 +31,7 @@ def gate_copy_to_disk(step: int, release: threading.Event, patch=setattr) -> thr
             release.wait()
         return copy_step(self, step_url, local_dir, attempt)
 
-    patch(RemoteLevel, "_upload_step", gated)
+    patch(RemoteLevel, "upload_step", gated)
     return reached
 
 

@@ -61,13 +61,13 @@ def test_keep_on_close_leaves_the_newest_step_in_shared_memory(tmp_path, trained
 
 def _blocked_uploads(monkeypatch) -> threading.Event:
     """Fault injection: copies to ``dirpath`` wait until the returned event is set (a crash comes first)."""
-    release, original = threading.Event(), RemoteLevel._upload_step
+    release, original = threading.Event(), RemoteLevel.upload_step
 
     def upload_later(self, *args, **kwargs):
         release.wait()
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(RemoteLevel, "_upload_step", upload_later)
+    monkeypatch.setattr(RemoteLevel, "upload_step", upload_later)
     return release
 
 
@@ -75,7 +75,7 @@ CRASH_AFTER_HOST_COMMIT = r"""
 import os, sys, threading, torch, lazyckpt
 from lazyckpt.levels.remote.upload import RemoteLevel
 run, shm = sys.argv[1], sys.argv[2]
-RemoteLevel._upload_step = lambda *a, **k: threading.Event().wait()  # dirpath never gets it: the crash comes first
+RemoteLevel.upload_step = lambda *a, **k: threading.Event().wait()  # dirpath never gets it: the crash comes first
 ckpt = lazyckpt.LazyCheckpointer(run, keep_in_memory="host", host_memory_dir=shm)
 torch.manual_seed(0)
 state = {"w": torch.randn(1000, 100), "b": torch.arange(7), "meta": {"lr": 0.5}}

@@ -8,4 +8,5 @@
 | ``contents`` | what a remote holds (by the format's commit rule), partial uploads, commit-aware removal, the newest of both levels |
 | ``fetch`` | a remote checkpoint brought to this node for frameworks that resume only from a local path |
 | ``spool`` | a URL ``dirpath`` split into a node-local spool directory and the remote level behind it |
+| ``recovery`` | at restart, the committed local steps a crash kept from the remote, agreed on by every rank and uploaded first |
 """

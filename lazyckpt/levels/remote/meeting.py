@@ -39,14 +39,17 @@ class StoreMeeting:
 
     def __init__(self, rendezvous: Rendezvous, *, rank: int, timeout_s: float) -> None:
         self.rendezvous, self.rank, self.timeout = rendezvous, rank, (timeout_s, TIMEOUT_OPTION)
+        self.leader = 0
+        """The rank that writes the commit object in this rank's remote directory: rank 0, or with one directory
+        per node behind the host level, that directory's lowest rank (:meth:`RemoteLevel.share_url`)."""
 
     def commit(self, attempt: str, step_url: str, local_dir: str, write_commit: WriteCommit) -> int:
-        """After this rank's files are up: on rank 0, ``write_commit()`` once every rank announced ``attempt``
-        (returns its bytes); elsewhere, wait until rank 0 did (returns 0). A rank announces only after its own
+        """After this rank's files are up: on the leader, ``write_commit()`` once every rank announced ``attempt``
+        (returns its bytes); elsewhere, wait until the leader did (returns 0). A rank announces only after its own
         files went up, so what the remote holds then is this save's, whatever an earlier run left there."""
         self.rendezvous.announce(attempt)
-        if self.rank != 0:
-            self.rendezvous.wait_committed(attempt, by=0, timeout=self.timeout)
+        if self.rank != self.leader:
+            self.rendezvous.wait_committed(attempt, by=self.leader, timeout=self.timeout)
             return 0
         self.rendezvous.wait_everyone(attempt, timeout=self.timeout)
         nbytes = write_commit()

@@ -80,7 +80,13 @@ class RemoteLevel:
         self.local = local
         self.url, self.every_n, self.keep_last_k = url, every_n, keep_last_k
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.members = list(range(world_size))
+        """The ranks whose files go to this rank's ``url`` (all of them, unless :meth:`share_url` says otherwise);
+        the lowest writes its commit object and prunes it."""
         self.storage, self.storage_options = FsspecStorage(url, storage_options), storage_options
+        self.rendezvous: Rendezvous | None = None
+        self._node_dir: str | None = None
+        """:meth:`share_url`'s per-node directory (``url`` as a path), listed by the file system's rule."""
         self._probe()
         self.meeting: StoreMeeting | RemoteMeeting = RemoteMeeting(self.storage, local, rank=rank, world_size=world_size,
                                                                    timeout_s=timeout_s)
@@ -115,8 +121,36 @@ class RemoteLevel:
 
     def meet_through(self, rendezvous: Rendezvous | None) -> None:
         """Meet the other ranks through the checkpointer's store (None: there is none; meet on the remote)."""
+        self.rendezvous = rendezvous
         if rendezvous is not None:
             self.meeting = StoreMeeting(rendezvous, rank=self.rank, timeout_s=self.timeout_s)
+
+    @property
+    def listed_at(self) -> tuple[Storage, str]:
+        """Where this level's steps are listed (and pruned): ``url`` by the object-store rule, or a per-node
+        ``dirpath`` by the file system's (:meth:`share_url`)."""
+        return (self.storage, self.url) if self._node_dir is None else (self.local, self._node_dir)
+
+    @property
+    def leads(self) -> bool:
+        """This rank commits and prunes its ``url`` (rank 0, or the lowest rank of its :attr:`members`)."""
+        return self.rank == self.members[0]
+
+    def share_url(self, members: list[int]) -> None:
+        """Only ``members`` (lowest first, this rank among them) upload to this rank's ``url``: a ``dirpath`` per
+        node behind the host level. Its lowest rank then writes the commit object there, naming only their files,
+        and prunes it; each such directory commits on its own (collective: every rank calls it)."""
+        if members == self.members:
+            return
+        assert self.url.startswith("file://"), "only the host level's disk directory is written per node"
+        self.members = members
+        # its steps hold only these ranks' files: the object-store rule (every rank's files) would call each one
+        # uncommitted, and the clean-up would take it for a partial upload
+        self._node_dir = self.url[len("file://"):]
+        if isinstance(self.meeting, StoreMeeting):
+            self.meeting.leader = members[0]
+        if self.leads:
+            remove_partial_uploads(*self.listed_at)
 
     def ticket(self, job: CheckpointJob) -> RemoteUpload | None:
         """Register ``job``'s step for upload when it is due (called by ``save()``); None when it is not."""
@@ -152,28 +186,6 @@ class RemoteLevel:
         if self._thread is None:
             self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=UPLOAD_NICE)
         self._queue.put((upload, local_dir))
-
-    def recover(self, local_root: str) -> list[int]:
-        """Upload now, on every rank together, the committed local steps due here that are newer than the newest
-        committed here: a crash came between their local commit and their upload (the host level commits a
-        snapshot in shared memory first; ``dirpath`` must not lose it). Returns those steps, oldest first."""
-        local = committed_steps(local_root, self.local)
-        newest_here = max(remote_steps(self.storage, self.url)[0], default=-1)
-        due = sorted(s for s in local if s > newest_here and s % self.every_n == 0)
-        for step in due:
-            url, attempt = join(self.url, step_dirname(step)), upload_attempt(f"recover-{step}", False)
-            try:
-                self._upload_step(url, local[step], attempt, check=True)
-            except CheckpointFormatError as e:  # this rank's copy is damaged: it must never load, nor go up
-                remove_remote_step(self.local, local[step])
-                logger.error("lazyckpt: step %d in %s fails its checks (%s); it is not committed in %s and is "
-                             "removed", step, local_root, e, self.url)
-                continue
-            logger.warning("lazyckpt: step %d was committed in %s but not yet in %s when the last run ended; it "
-                           "is committed there now", step, local_root, self.url)
-        if due and self.rank == 0:
-            self._prune(due[-1])
-        return due
 
     def wait_backlog(self, keep: int) -> None:
         """Wait until at most ``keep`` registered uploads are unfinished, the oldest going first (the host level
@@ -240,7 +252,7 @@ class RemoteLevel:
     def _finish_cleanup_at_close(self, just_committed: int) -> None:
         """Bounded by ``remote_timeout_s``: a remote still down must not hold ``close()`` for the storage's own
         retries (the thread is a daemon; what it leaves is uncommitted, removed by the next run's clean-up)."""
-        thread = start_background_thread(self._prune, just_committed, True, name="lazyckpt-cleanup", nice=UPLOAD_NICE)
+        thread = start_background_thread(self.prune, just_committed, True, name="lazyckpt-cleanup", nice=UPLOAD_NICE)
         thread.join(self.timeout_s)
         if thread.is_alive():
             logger.warning("lazyckpt: the remote clean-up after step %d did not finish within remote_timeout_s=%gs "
@@ -259,8 +271,8 @@ class RemoteLevel:
                 logger.info("lazyckpt: uploaded step %d (%.1f MB) to %s in %.3fs", upload.step,
                             upload.nbytes / 1e6, upload.url, upload.seconds)
                 self.completed.append(CompletedUpload(upload.step, upload.url, upload.nbytes, upload.seconds))
-                if self.rank == 0:
-                    self._prune(upload.step)
+                if self.leads:
+                    self.prune(upload.step)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread at its next call
                 then = "not retried again" if upload.retry else "retried once at the next commit"
                 e.add_note(f"lazyckpt: while uploading step {upload.step} to {upload.url} (rank {self.rank}); "
@@ -289,9 +301,9 @@ class RemoteLevel:
         """This rank's files, then the meeting after which rank 0 writes the commit object; returns the bytes."""
         if upload.retry and self._committed_already(upload.url, local_dir):
             return 0  # only this rank gave up on the first try, after rank 0 had committed it
-        return self._upload_step(upload.url, local_dir, upload_attempt(upload.job.attempt, upload.retry))
+        return self.upload_step(upload.url, local_dir, upload_attempt(upload.job.attempt, upload.retry))
 
-    def _upload_step(self, step_url: str, local_dir: str, attempt: str, *, check: bool = False) -> int:
+    def upload_step(self, step_url: str, local_dir: str, attempt: str, *, check: bool = False) -> int:
         """``check``: first run every check a load runs on this rank's files (a copy that outlived its process)."""
         try:
             if check:
@@ -309,7 +321,7 @@ class RemoteLevel:
         that every object it names is there (each rank's manifest and tensor file): a step whose files an outage or
         another job took is never committed. Returns its bytes."""
         there = set(self.storage.list_dir(step_url))
-        missing = [name for name in rank_members(self.world_size) if name not in there]
+        missing = [name for name in self._members_files() if name not in there]
         if missing:
             raise FileNotFoundError(errno.ENOENT, f"lazyckpt: {step_url} lacks {missing[:4]} ({len(missing)} in all) "
                                     "although every rank announced its upload; the commit object is not written")
@@ -319,18 +331,26 @@ class RemoteLevel:
         """True when the remote holds this very checkpoint committed (its commit object, not one of another run's step,
         and every rank's files: a commit object alone is not a step)."""
         remote, local = join(step_url, MANIFEST), os.path.join(local_dir, MANIFEST)
-        return (is_committed(self.storage, step_url)
+        return (self.holds_committed(step_url)
                 and self.storage.read_bytes(remote, max_bytes=MAX_MANIFEST_BYTES)
                 == self.local.read_bytes(local, max_bytes=MAX_MANIFEST_BYTES))
+
+    def holds_committed(self, step_url: str) -> bool:
+        """``step_url`` (under ``url``) is committed here, by the rule of :attr:`listed_at`."""
+        storage, where = self.listed_at
+        return is_committed(storage, where + step_url[len(self.url):])
 
     def _own_files(self, local_dir: str) -> list[str]:
         """What this rank uploads, its manifest last (it marks the upload durable); rank 0 adds the files no
         rank owns. The commit object is not among them."""
         mine = [rank_file(self.rank, self.world_size), rank_manifest(self.rank)]
-        if self.rank == 0:
+        if self.leads:
             owned = {*rank_members(self.world_size), MANIFEST}
             mine[:0] = sorted(n for n in self.local.list_dir(local_dir) if n not in owned)
         return mine
+
+    def _members_files(self) -> list[str]:
+        return [name for rank in self.members for name in (rank_manifest(rank), rank_file(rank, self.world_size))]
 
     def _copy(self, src: str, dst: str) -> int:
         """Copy one committed local file to the remote in pieces; returns its size."""
@@ -351,14 +371,15 @@ class RemoteLevel:
         self.storage.close(out, sync=True)
         return offset
 
-    def _prune(self, just_committed: int, at_close: bool = False) -> None:
+    def prune(self, just_committed: int, at_close: bool = False) -> None:
         try:
-            committed, partial = remote_steps(self.storage, self.url)
+            storage, where = self.listed_at
+            committed, partial = remote_steps(storage, where)
             for step in steps_to_purge(list(committed), self.keep_last_k, just_committed=just_committed):
-                remove_remote_step(self.storage, committed[step])
+                remove_remote_step(storage, committed[step])
             with self._lock:  # a failed upload retried after this commit is still this job's (every rank queues it)
                 busy = {u.step for u in self._uploads.values()} | {u.step for u, _ in self._to_retry}
-            remove_partial_uploads(self.storage, self.url, below=just_committed, keep=busy,
+            remove_partial_uploads(storage, where, below=just_committed, keep=busy,
                                    listing=(committed, partial))
             self._cleanup_due = None
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed

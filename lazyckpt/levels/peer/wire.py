@@ -1,0 +1,158 @@
+"""How one rank's files of a step travel to a rank of another node: over ``torch.distributed``, file by file.
+
+A transfer runs on a process group of its own (gloo, CPU tensors), made for the peer level at construction: its
+point-to-point operations never interleave with the training's collectives on the default group, so a background
+thread may issue them (a collective from a second thread on the training's group could pair with the wrong
+operation of another rank). Every rank of a transfer runs the same three phases, posting all its sends and
+receives of a phase before waiting on any, so a ring of ranks that each send and receive never deadlocks:
+
+1. the length of each sender's header (one ``int64``);
+2. the header: JSON ``{"step": N, "files": [[name, size], ...]}`` (no files: the sender no longer had the step);
+3. the files' bytes in pieces of :data:`PIECE_BYTES`, in the header's order: one piece per peer and round.
+
+The sender reads from files it opened when the step was committed (an open file on a tmpfs outlives its removal
+by retention); the receiver writes each file where ``landing`` says, and checks nothing: every chunk is checked
+against its checksum when the copy is restored, as for any load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lazyckpt.storage import ReadHandle, Storage
+
+PIECE_BYTES = 16 << 20
+"""Bytes per message: a 289 MiB snapshot is 19 pieces; each side holds one piece buffer per peer."""
+
+
+@dataclass
+class Outgoing:
+    """One rank's files of one step, opened for sending (their removal meanwhile does not matter)."""
+
+    step: int
+    files: list[tuple[str, int]]
+    handles: list[ReadHandle] = field(default_factory=list)
+
+    def header(self) -> bytes:
+        return json.dumps({"step": self.step, "files": self.files}).encode()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+        self.handles = []
+
+
+def open_outgoing(storage: Storage, step_dir: str, names: list[str], step: int) -> Outgoing:
+    """``names`` of ``step_dir``, opened; an Outgoing without files when the step is gone already (the receiver
+    keeps the copy it has)."""
+    out = Outgoing(step, [])
+    try:
+        for name in names:
+            handle = storage.open_read(os.path.join(step_dir, name))
+            out.handles.append(handle)
+            out.files.append((name, handle.size))
+    except FileNotFoundError:
+        out.close()
+        return Outgoing(step, [])
+    return out
+
+
+PathOf = Callable[[str], str]
+Landing = Callable[[int, dict[str, Any]], PathOf | None]
+"""``landing(source rank, its header)``: where each received file goes (``path_of(name)``, its directory made), or
+None to drop them."""
+
+
+def transfer(group: Any, storage: Storage, sends: dict[int, Outgoing], receives: list[int],
+             landing: Landing) -> dict[int, dict[str, Any]]:
+    """Send each of ``sends`` to its rank and receive from each rank of ``receives`` (see the module docstring);
+    returns each source's header once its files are written (not synced: the copy lives on a tmpfs)."""
+    lengths = _swap({dst: _int64(len(out.header())) for dst, out in sends.items()},
+                    {src: _int64(0) for src in receives}, group)
+    headers = _swap({dst: _bytes(out.header()) for dst, out in sends.items()},
+                    {src: torch.empty(int(lengths[src].item()), dtype=torch.uint8) for src in receives}, group)
+    got = {src: json.loads(bytes(headers[src].numpy())) for src in receives}
+    writers = {src: _Writer(storage, path_of, got[src]["files"])
+               for src in receives if (path_of := landing(src, got[src])) is not None}
+    try:
+        _stream(group, sends, got, writers)
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return {src: got[src] for src in writers}
+
+
+def _stream(group: Any, sends: dict[int, Outgoing], got: dict[int, dict[str, Any]],
+            writers: dict[int, _Writer]) -> None:
+    """Phase 3: piece ``i`` of every file list, to and from every peer, round after round."""
+    out_pieces = {dst: _pieces(out.files) for dst, out in sends.items()}
+    in_pieces = {src: _pieces([tuple(f) for f in header["files"]]) for src, header in got.items()}
+    out_buffers = {dst: torch.empty(PIECE_BYTES, dtype=torch.uint8) for dst in sends}
+    in_buffers = {src: torch.empty(PIECE_BYTES, dtype=torch.uint8) for src in got}
+    rounds = max([len(p) for p in (*out_pieces.values(), *in_pieces.values())], default=0)
+    for i in range(rounds):
+        outgoing = {}
+        for dst, pieces in out_pieces.items():
+            if i < len(pieces):
+                index, offset, length = pieces[i]
+                piece = out_buffers[dst][:length]
+                _read_fully(sends[dst].handles[index], offset, piece)
+                outgoing[dst] = piece
+        incoming = {src: in_buffers[src][:pieces[i][2]] for src, pieces in in_pieces.items() if i < len(pieces)}
+        _swap(outgoing, incoming, group)
+        for src, piece in incoming.items():
+            if src in writers:
+                index, offset, _ = in_pieces[src][i]
+                writers[src].write(index, offset, piece)
+
+
+def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
+    """``(file index, offset, length)`` of every piece, in order (an empty file has none)."""
+    return [(index, offset, min(PIECE_BYTES, size - offset))
+            for index, (_, size) in enumerate(files) for offset in range(0, size, PIECE_BYTES)]
+
+
+def _swap(outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], group: Any) -> dict[int, torch.Tensor]:
+    """Post every send and receive, then wait for all of them; returns ``incoming``, filled."""
+    works = [dist.isend(tensor, dst, group=group) for dst, tensor in outgoing.items()]
+    works += [dist.irecv(tensor, src, group=group) for src, tensor in incoming.items()]
+    for work in works:
+        work.wait()
+    return incoming
+
+
+def _int64(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _read_fully(handle: ReadHandle, offset: int, piece: torch.Tensor) -> None:
+    view = memoryview(piece.numpy())
+    if handle.read_into(offset, view) != len(view):
+        raise EOFError(f"lazyckpt: a file of the peer copy ended before {offset + len(view)} bytes")
+
+
+class _Writer:
+    """The received files of one source, created empty in its landing directory and written piece by piece."""
+
+    def __init__(self, storage: Storage, path_of: PathOf, files: list[list[Any]]) -> None:
+        self.storage = storage
+        self.handles = [storage.open_write(path_of(name)) for name, _ in files]
+
+    def write(self, index: int, offset: int, piece: torch.Tensor) -> None:
+        self.storage.write(self.handles[index], offset, [memoryview(piece.numpy())])
+
+    def close(self) -> None:
+        for handle in self.handles:
+            self.storage.close(handle, sync=False)
+        self.handles = []
