@@ -120,7 +120,7 @@ class HostLevel:
         level = cls(folder, config, storage, remote)
         try:
             level.peer = PeerLevel.join(folder, config, storage, remote.rendezvous)
-            restore_lost_ranks(level.peer)  # a lost node's ranks first get their newest step back from its peers
+            restore_lost_ranks(level.peer, level.dirpath)  # a lost node's ranks first get their newest step back from its peers
             recover_local_steps(level.remote, folder)
         except BaseException:
             level._disk_lock.release()
@@ -206,12 +206,15 @@ def _job_bytes(job: CheckpointJob) -> int:
     return len(job.header) + sum(entry.nbytes for entry in job.entries)
 
 
+_COUNTS = {2: "two", 4: "four (two kept for the peer node)"}
+
+
 def _check_room(folder: str, storage: Storage, snapshot_bytes: int, *, copies: int) -> None:
     held = sum(_tree_bytes(storage, path) for path in committed_steps(folder, storage).values())
     room = storage.free_bytes(folder) + held
     if room < copies * snapshot_bytes:
         raise ValueError(
-            f"keep_in_memory='host' holds {copies} snapshots of {snapshot_bytes / 2**20:.1f} MiB in {folder}, and its file "
+            f"keep_in_memory='host' holds {_COUNTS[copies]} snapshots of {snapshot_bytes / 2**20:.1f} MiB in {folder}, and its file "
             f"system has room for {room / 2**20:.1f} MiB; enlarge it (e.g. mount /dev/shm with a larger size=), pass "
             "host_memory_dir= a larger tmpfs, or use keep_in_memory=False")
 

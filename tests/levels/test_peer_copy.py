@@ -98,7 +98,7 @@ def test_a_lost_node_comes_back_from_its_peers_copies_bit_exact(tmp_path):
     codes = run_ranks(_train_then_die, RANKS, tmp, 3, 3, meet_at_end=False)
     assert set(codes.values()) == {-signal.SIGKILL}
     for source, keeper in ((0, 2), (1, 3), (2, 0), (3, 1)):  # the ring: node 0 keeps node 1's copies, and back
-        assert sorted(os.listdir(_kept(tmp, keeper, source))) == ["step-0000003"]
+        assert sorted(os.listdir(_kept(tmp, keeper, source))) == ["step-0000002", "step-0000003"]
     _lose_node(tmp, 0)  # its processes are dead; now its disk and its shared memory go too
     run_ranks(_resume, RANKS, tmp, {0: 3, 1: 3})
     assert not os.listdir(os.path.join(tmp, "node0", "shm")), "a clean close frees the host folder and the copies"
@@ -121,3 +121,51 @@ def test_memory_peers_needs_the_host_level_and_a_process_group(tmp_path):
                                   memory_peers=1)
     with pytest.raises(ValueError, match="memory_peers=1 applies to keep_in_memory='host' only"):
         lazyckpt.LazyCheckpointer(tmp_path / "e", memory_peers=1)
+
+
+MOMENTS = ("saved", "committed", "copied")
+"""Where each rank kills itself after the save of the chosen step: ``save()`` returned (the copy and the commit
+under way), that step committed in the host folder (its transfers to the peers under way), its peer copies in."""
+
+
+def _train_then_die_at(rank: int, world_size: int, tmp: str, kill_step: int, moment: str) -> None:
+    """Every rank dies together (the job dies with a node: rank 0's process also serves the store)."""
+    ckpt = _checkpointer(tmp, rank)
+    for step in range(1, kill_step + 1):
+        pending = ckpt.save(_state(rank, step), step=step)
+        if step == kill_step and moment == "saved":
+            break
+        pending.wait()
+    if moment == "copied":
+        ckpt._host.peer.wait_backlog(0)
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume_anywhere(rank: int, world_size: int, tmp: str, at_least: int) -> None:
+    ckpt = _checkpointer(tmp, rank)
+    dirpath, shm = _where(tmp, rank)
+    path = lazyckpt.latest(dirpath, host_memory_dir=shm)
+    assert path is not None, f"rank {rank} finds no step although every keeper held one"
+    step = lazyckpt.checkpoint_step(path)
+    loaded, want = lazyckpt.load(path, rank=rank), _state(rank, step)
+    assert torch.equal(loaded["w"], want["w"].value) and torch.equal(loaded["opt"]["m"], want["opt"].value["m"])
+    assert step >= at_least and step in committed_steps(dirpath), (rank, step, at_least)
+    folder = host_dir(dirpath, shm)
+    assert not [n for n in os.listdir(folder) if n.endswith(".partial")], "a torn copy is left in the host folder"
+    steps = [None] * world_size
+    dist.all_gather_object(steps, step)  # also: no rank closes (and frees the folder) before all looked
+    assert len(set(steps)) == 1, f"the ranks resume at different steps: {steps}"
+    ckpt.close()
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_node_lost_at_any_moment_resumes_every_rank_at_one_complete_step(tmp_path, moment, lost):
+    """At each moment after the save of step k, step k-2's peer copies are complete (a save lets one transfer run
+    behind it) and so is its copy to ``dirpath``: every rank resumes at one step >= k-2, bit-exact."""
+    kill_step = 3 + (MOMENTS.index(moment) + lost) % 3
+    tmp = str(tmp_path)
+    run_ranks(_train_then_die_at, RANKS, tmp, kill_step, moment, meet_at_end=False)
+    _lose_node(tmp, lost)
+    run_ranks(_resume_anywhere, RANKS, tmp, kill_step - 2)

@@ -8,7 +8,8 @@ the copies of the ranks it keeps in turn. The transfer runs over ``torch.distrib
 steps' transfers are unfinished, as for the copy to ``dirpath``.
 
 A kept copy lands in ``<host folder>/peer-rankNNNNN/step-N.partial`` and is renamed to ``step-N`` once all its
-bytes are in; the older one is removed then, so the newest complete copy is always intact. After a node is lost,
+bytes are in. The two newest complete copies are kept (the older goes when the next one starts), so the newest
+complete copy is always intact, and after a lost node every keeper still holds a step in common with the others. After a node is lost,
 :func:`~lazyckpt.levels.peer.restore.restore_lost_ranks` brings its ranks' newest step back from these copies.
 """
 
@@ -59,6 +60,8 @@ class PeerLevel:
         self.failures = 0
         self._queue: queue.Queue[tuple[Outgoing, threading.Event] | None] = queue.Queue()
         self._rounds: list[threading.Event] = []
+        """One per queued transfer, set when it ended: appended by the commit thread, read by the training thread."""
+        self._rounds_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -96,15 +99,18 @@ class PeerLevel:
         if self.rank == self.rendezvous.leader:  # files no rank owns (the leader writes them), if any
             names += sorted(n for n in self.storage.list_dir(step_dir) if n not in names and not _owned(n))
         done = threading.Event()
-        self._rounds.append(done)
+        with self._rounds_lock:
+            self._rounds.append(done)
         if self._thread is None:
             self._thread = start_background_thread(self._run, name="lazyckpt-peer", nice=UPLOAD_NICE)
         self._queue.put((open_outgoing(self.storage, step_dir, names, step), done))
 
     def wait_backlog(self, keep: int) -> None:
         """Wait until at most ``keep`` transfers are unfinished (a save lets at most one run behind it)."""
-        self._rounds = [done for done in self._rounds if not done.is_set()]
-        for done in self._rounds[:max(len(self._rounds) - keep, 0)]:
+        with self._rounds_lock:
+            self._rounds = [done for done in self._rounds if not done.is_set()]
+            waits = self._rounds[:max(len(self._rounds) - keep, 0)]
+        for done in waits:
             done.wait()
 
     def close(self, *, free: bool) -> None:
@@ -117,14 +123,9 @@ class PeerLevel:
             for source in self.kept:
                 self.storage.remove_tree(kept_dir(self.folder, source))
 
-    def newest_kept(self) -> dict[int, int]:
-        """The newest complete copy this rank keeps of each of its sources, by source."""
-        found = {}
-        for source in self.kept:
-            steps = committed_steps(kept_dir(self.folder, source), self.storage)
-            if steps:
-                found[source] = max(steps)
-        return found
+    def kept_steps(self) -> dict[int, list[int]]:
+        """The complete copies this rank keeps of each of its sources (steps, oldest first), by source."""
+        return {source: sorted(committed_steps(kept_dir(self.folder, source), self.storage)) for source in self.kept}
 
     # --- the transfer thread --------------------------------------------------------------------------------
 
@@ -155,19 +156,25 @@ class PeerLevel:
         if not files or not all(isinstance(n, str) and _SAFE_NAME.fullmatch(n) for n, _ in files):
             return None
         partial = os.path.join(kept_dir(self.folder, source), step_dirname(int(header["step"])) + PARTIAL_SUFFIX)
+        self._prune(source, keep=1)  # room for the new copy: the newest complete one stays while it comes in
         self.storage.remove_tree(partial)
         self.storage.make_dir(partial)
         return lambda name: os.path.join(partial, name)
 
     def _keep(self, source: int, step: int) -> None:
-        """``source``'s copy of ``step`` is complete: it replaces the older one."""
-        where = kept_dir(self.folder, source)
-        final = os.path.join(where, step_dirname(step))
+        """``source``'s copy of ``step`` is complete: it joins the previous one (the two newest are kept)."""
+        final = os.path.join(kept_dir(self.folder, source), step_dirname(step))
         self.storage.remove_tree(final)  # a copy of the same step from before a restart
         self.storage.rename(final + PARTIAL_SUFFIX, final, sync=False)
-        for older, path in committed_steps(where, self.storage).items():
-            if older != step:
-                self.storage.remove_tree(path)
+        self._prune(source, keep=2)
+
+    def _prune(self, source: int, *, keep: int) -> None:
+        """Keep the ``keep`` newest complete copies of ``source``. Two, not one: the ranks' transfers end at
+        different times, so when a node dies one source's newest copy may be a step newer than another's; each
+        keeper still holds the step before, which every rank can then resume from."""
+        steps = committed_steps(kept_dir(self.folder, source), self.storage)
+        for step in sorted(steps)[:-keep]:
+            self.storage.remove_tree(steps[step])
 
     def _remove_partials(self, source: int) -> None:
         where = kept_dir(self.folder, source)

@@ -26,12 +26,14 @@ from lazyckpt.levels.peer.wire import PathOf, open_outgoing, transfer
 logger = logging.getLogger(__name__)
 
 
-def restore_lost_ranks(peer: PeerLevel | None) -> int | None:
+def restore_lost_ranks(peer: PeerLevel | None, disk_dir: str) -> int | None:
     """Bring back the newest step every rank can have into the host folders that lack it (collective: every
-    rank, at construction); returns that step, or None when no rank needed one or no step can be restored."""
+    rank, at construction); returns that step, or None when no rank needed one or no step can be restored.
+    ``disk_dir``: this rank's ``dirpath`` (a step there counts as held)."""
     if peer is None:
         return None
-    views = [json.loads(v) for v in peer.rendezvous.exchange("peer-restore", json.dumps(_holdings(peer)).encode())]
+    mine = json.dumps(_holdings(peer, disk_dir)).encode()
+    views = [json.loads(v) for v in peer.rendezvous.exchange("peer-restore", mine)]
     step = _newest_everywhere(views, peer.keeper)
     lacking = [] if step is None else [r for r, view in enumerate(views) if step not in view["own"]]
     if not lacking:
@@ -47,22 +49,19 @@ def restore_lost_ranks(peer: PeerLevel | None) -> int | None:
     return step
 
 
-def _holdings(peer: PeerLevel) -> dict[str, Any]:
+def _holdings(peer: PeerLevel, disk_dir: str) -> dict[str, Any]:
+    """This rank's steps: on its own levels (host folder, ``dirpath``), and the copies it keeps by source."""
     mine = rank_file(peer.rank, peer.config.world_size)
-    own = [s for s, path in committed_steps(peer.folder, peer.storage).items()
+    own = [s for where in (peer.folder, disk_dir) for s, path in committed_steps(where, peer.storage).items()
            if peer.storage.stat(os.path.join(path, mine)) is not None]
-    return {"own": sorted(own), "kept": {str(source): step for source, step in peer.newest_kept().items()}}
+    return {"own": sorted(set(own)), "kept": {str(source): steps for source, steps in peer.kept_steps().items()}}
 
 
 def _newest_everywhere(views: list[dict[str, Any]], keeper: dict[int, int]) -> int | None:
-    """The newest step each rank holds in its own host folder or as the copy its keeper holds."""
+    """The newest step each rank holds on its own levels or as the copy its keeper holds."""
     available = []
     for rank, view in enumerate(views):
-        steps = set(view["own"])
-        copy = views[keeper[rank]]["kept"].get(str(rank))
-        if copy is not None:
-            steps.add(copy)
-        available.append(steps)
+        available.append(set(view["own"]) | set(views[keeper[rank]]["kept"].get(str(rank), [])))
     common = set.intersection(*available)
     return max(common, default=None)
 

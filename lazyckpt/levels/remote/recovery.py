@@ -5,9 +5,11 @@ The host level (:mod:`lazyckpt.levels.host`) commits each snapshot in shared mem
 committed local step newer than what the remote holds before it returns, on every rank together.
 
 The ranks first agree on which steps those are (through the process group's store): a step goes up when every rank
-holds it locally and some rank's remote lacks it. With a ``dirpath`` per node one node may have copied a step to
-disk before the crash while another had not, so each rank uploads only what its own remote lacks and still takes
-part in the meeting of every agreed step: no rank waits for a step another never uploads.
+holds it on one level or the other and some rank's remote lacks it. With a ``dirpath`` per node one node may have
+copied a step to disk before the crash while another had not, so each rank uploads only what its own remote lacks
+and still takes part in the meeting of every agreed step: no rank waits for a step another never uploads. A local
+step newer than any step every rank holds is moved aside: resuming from it would put this node's ranks at another
+step than the others.
 """
 
 from __future__ import annotations
@@ -37,35 +39,39 @@ def recover_local_steps(level: RemoteLevel, local_root: str) -> list[int]:
     local = committed_steps(local_root, level.local)
     here = set(remote_steps(*level.listed_at)[0])
     due, beyond = _agree(level, set(local), here)
-    if level.leads:
-        _set_aside(level, local_root, [s for s in local if beyond is not None and s > beyond])
+    if level.leads and beyond is not None:  # the host level's remote is a file:// directory: renamed in place
+        _set_aside(level, local_root, [s for s in local if s > beyond])
+        _set_aside(level, level.url.removeprefix("file://"), [s for s in here if s > beyond])
+    if level.rendezvous is not None:  # no rank looks for its newest step before its leader moved those aside
+        level.rendezvous.exchange("set-aside", b"")
     for step in due:
-        _recover_step(level, step, local[step], uploaded=step in here)
+        _recover_step(level, step, local.get(step, ""), uploaded=step in here)
     if due and level.leads:
         level.prune(due[-1])
     return due
 
 
 def _agree(level: RemoteLevel, local: set[int], here: set[int]) -> tuple[list[int], int | None]:
-    """``(due, newest)``: the steps due (every rank holds them locally, some rank's remote lacks them and is older;
-    one rank alone: those newer than its remote's newest), and the newest step every rank holds on one level or
-    the other (None: no such step, or one rank alone)."""
+    """``(due, newest)``: the steps due (every rank holds them on one level or the other, and some rank's remote
+    lacks them and is older; one rank alone: its local steps newer than its remote's newest), and the newest step
+    every rank holds on one level or the other (None: no such step, or one rank alone)."""
     local = {s for s in local if s % level.every_n == 0}
     newest_here = max(here, default=-1)
     if level.rendezvous is None:
         return sorted(s for s in local if s > newest_here), None
     mine = json.dumps({"local": sorted(local), "here": sorted(here), "newest": newest_here}).encode()
     views = [json.loads(v) for v in level.rendezvous.exchange("recover", mine)]
-    everywhere = set.intersection(*(set(v["local"]) for v in views))
+    everywhere = set.intersection(*(set(v["local"]) | set(v["here"]) for v in views))
     due = sorted(s for s in everywhere if any(s > v["newest"] and s not in v["here"] for v in views))
-    return due, max(set.intersection(*(set(v["local"]) | set(v["here"]) for v in views)), default=None)
+    return due, max(everywhere, default=None)
 
 
-def _set_aside(level: RemoteLevel, local_root: str, steps: list[int]) -> None:
-    """Move local ``steps`` aside (kept, never ``latest()``): newer than any step every rank holds, so resuming
-    from them would resume this node's ranks at another step than the others (their copies died with a node)."""
+def _set_aside(level: RemoteLevel, root: str, steps: list[int]) -> None:
+    """Move ``steps`` of ``root`` aside (kept, never ``latest()``): newer than any step every rank holds, so
+    resuming from them would resume this node's ranks at another step than the others (their copies died with a
+    node)."""
     for step in sorted(steps):
-        moved = move_aside(local_root, step, level.local)
+        moved = move_aside(root, step, level.local)
         logger.warning("lazyckpt: step %d is not held by every rank (its other copies were lost); this node's copy "
                        "is kept at %s and not resumed from", step, moved)
 
