@@ -368,10 +368,10 @@ class LazyCheckpointer:
         logger.info("lazyckpt: committed step %d (%.1f MB) in %.3fs", job.step, job.stats.nbytes / 1e6,
                     job.stats.flush_s)
         self._steps.note_committed(job.step)
+        if self._host is not None:  # first, its files opened now: the clean-up cannot take them from the transfer
+            self._host.committed(job.step, job.final_dir)
         if self.remote is not None:  # before the clean-up: the upload need not wait for old steps' removal
             self.remote.submit(job.step, job.final_dir)
-        if self._host is not None:  # its files are opened now: the clean-up cannot take them from the transfer
-            self._host.committed(job.step, job.final_dir)
         try:
             self._steps.purge(job.step)
         except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; only clean-up failed

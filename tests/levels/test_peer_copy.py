@@ -9,6 +9,7 @@ its ranks resume from its disk.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -169,3 +170,31 @@ def test_a_node_lost_at_any_moment_resumes_every_rank_at_one_complete_step(tmp_p
     run_ranks(_train_then_die_at, RANKS, tmp, kill_step, moment, meet_at_end=False)
     _lose_node(tmp, lost)
     run_ranks(_resume_anywhere, RANKS, tmp, kill_step - 2)
+
+
+def _keeper_runs_out_of_room(rank: int, world_size: int, tmp: str) -> None:
+    """Node 1's tmpfs is full while step 2's copies come in: they fail there, and nothing else does."""
+    from lazyckpt.storage import LocalStorage
+
+    open_write = LocalStorage.open_write
+
+    def full(self, path):
+        if rank >= PER_NODE and "peer-rank" in path and "step-0000002" in path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return open_write(self, path)
+
+    LocalStorage.open_write = full
+    ckpt = _checkpointer(tmp, rank)
+    for step in (1, 2, 3):
+        ckpt.save(_state(rank, step), step=step).wait()
+    peer = ckpt._host.peer
+    peer.wait_backlog(0)
+    assert peer.failures == (1 if rank >= PER_NODE else 0), (rank, peer.failures)
+    dist.barrier()  # every keeper is done
+    kept = sorted(os.listdir(_kept(tmp, peer.keeper[rank], rank)))
+    assert kept == (["step-0000001", "step-0000003"] if rank < PER_NODE else ["step-0000002", "step-0000003"]), kept
+    ckpt.close()
+
+
+def test_a_keeper_out_of_room_keeps_its_older_copy_and_nobody_waits(tmp_path):
+    run_ranks(_keeper_runs_out_of_room, RANKS, str(tmp_path))

@@ -97,7 +97,10 @@ class PeerLevel:
         their transfer. Every rank submits the same steps in the same order, so the transfers pair up."""
         names = [rank_file(self.rank, self.config.world_size), rank_manifest(self.rank), MANIFEST]
         if self.rank == self.rendezvous.leader:  # files no rank owns (the leader writes them), if any
-            names += sorted(n for n in self.storage.list_dir(step_dir) if n not in names and not _owned(n))
+            try:
+                names += sorted(n for n in self.storage.list_dir(step_dir) if n not in names and not _owned(n))
+            except OSError:  # gone already: the transfer still runs (empty), or the ranks' transfers would not pair
+                pass
         done = threading.Event()
         with self._rounds_lock:
             self._rounds.append(done)
@@ -143,12 +146,14 @@ class PeerLevel:
                 done.set()
 
     def _exchange(self, outgoing: Outgoing) -> None:
-        received = transfer(self.group, self.storage, {self.keeper[self.rank]: outgoing}, self.kept,
-                            self._landing)
-        for source, header in received.items():
-            self._keep(source, header["step"])
-        for source in self.kept:  # a transfer cut short leaves its partial copy: never read, removed now
-            self._remove_partials(source)
+        try:
+            received = transfer(self.group, self.storage, {self.keeper[self.rank]: outgoing}, self.kept,
+                                self._landing)
+            for source, header in received.items():
+                self._keep(source, header["step"])
+        finally:
+            for source in self.kept:  # a transfer cut short leaves its partial copy: never read, removed now
+                self._remove_partials(source)
 
     def _landing(self, source: int, header: dict[str, Any]) -> PathOf | None:
         """Where ``source``'s copy of a step goes (None: it sent none, or names that are not its files)."""

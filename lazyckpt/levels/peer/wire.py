@@ -58,7 +58,7 @@ def open_outgoing(storage: Storage, step_dir: str, names: list[str], step: int) 
             handle = storage.open_read(os.path.join(step_dir, name))
             out.handles.append(handle)
             out.files.append((name, handle.size))
-    except FileNotFoundError:
+    except OSError:  # FileNotFoundError above all
         out.close()
         return Outgoing(step, [])
     return out
@@ -79,14 +79,16 @@ def transfer(group: Any, storage: Storage, sends: dict[int, Outgoing], receives:
     headers = _swap({dst: _bytes(out.header()) for dst, out in sends.items()},
                     {src: torch.empty(int(lengths[src].item()), dtype=torch.uint8) for src in receives}, group)
     got = {src: json.loads(bytes(headers[src].numpy())) for src in receives}
-    writers = {src: _Writer(storage, path_of, got[src]["files"])
-               for src in receives if (path_of := landing(src, got[src])) is not None}
+    writers = {src: _Writer(storage, landing, src, got[src]) for src in receives}
     try:
         _stream(group, sends, got, writers)
     finally:
         for writer in writers.values():
             writer.close()
-    return {src: got[src] for src in writers}
+    failed = [writer.error for writer in writers.values() if writer.error is not None]
+    if failed:  # raised only now: every piece was still received, so the senders' transfers ended too
+        raise failed[0]
+    return {src: got[src] for src, writer in writers.items() if writer.handles is not None}
 
 
 def _stream(group: Any, sends: dict[int, Outgoing], got: dict[int, dict[str, Any]],
@@ -108,9 +110,8 @@ def _stream(group: Any, sends: dict[int, Outgoing], got: dict[int, dict[str, Any
         incoming = {src: in_buffers[src][:pieces[i][2]] for src, pieces in in_pieces.items() if i < len(pieces)}
         _swap(outgoing, incoming, group)
         for src, piece in incoming.items():
-            if src in writers:
-                index, offset, _ = in_pieces[src][i]
-                writers[src].write(index, offset, piece)
+            index, offset, _ = in_pieces[src][i]
+            writers[src].write(index, offset, piece)
 
 
 def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
@@ -143,16 +144,38 @@ def _read_fully(handle: ReadHandle, offset: int, piece: torch.Tensor) -> None:
 
 
 class _Writer:
-    """The received files of one source, created empty in its landing directory and written piece by piece."""
+    """The received files of one source, created empty where ``landing`` says and written piece by piece. A failure
+    (no landing, a full tmpfs) drops the rest of its pieces instead of raising mid-transfer: a receiver that
+    stopped receiving would leave its sender blocked until the group's timeout."""
 
-    def __init__(self, storage: Storage, path_of: PathOf, files: list[list[Any]]) -> None:
-        self.storage = storage
-        self.handles = [storage.open_write(path_of(name)) for name, _ in files]
+    def __init__(self, storage: Storage, landing: Landing, source: int, header: dict[str, Any]) -> None:
+        self.storage, self.error = storage, None
+        self.handles: list[Any] | None = []
+        try:
+            path_of = landing(source, header)
+            if path_of is None:
+                self.handles = None
+                return
+            for name, _ in header["files"]:
+                self.handles.append(storage.open_write(path_of(name)))
+        except Exception as e:  # noqa: BLE001 - raised by transfer() once every piece is received
+            self._fail(e)
 
     def write(self, index: int, offset: int, piece: torch.Tensor) -> None:
-        self.storage.write(self.handles[index], offset, [memoryview(piece.numpy())])
+        if self.handles is None:
+            return
+        try:
+            self.storage.write(self.handles[index], offset, [memoryview(piece.numpy())])
+        except Exception as e:  # noqa: BLE001 - as above
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        self.close()
+        self.handles = None
 
     def close(self) -> None:
-        for handle in self.handles:
+        for handle in self.handles or []:
             self.storage.close(handle, sync=False)
-        self.handles = []
+        if self.handles is not None:
+            self.handles = []
