@@ -82,7 +82,7 @@ class _Transfer:
     def run(self, pool: ThreadPoolExecutor, pieces: Iterator[_Piece]) -> None:
         pending: deque[Future] = deque()
         for index, piece in enumerate(pieces):
-            if len(pending) >= 2 * WORKERS:
+            if len(pending) >= 2 * (WORKERS + self.parallel):
                 pending.popleft().result()
             buffer, staged = self._buffer_for(index, piece)
             if self.parallel and piece.nbytes > _INLINE_BYTES:
