@@ -18,6 +18,7 @@ what it costs the training loop against ``keep_in_memory=False``.
 Usage:
     python benchmarks/host_level.py --json host.json      # the default workload, ~8 min on 2 cores
     python benchmarks/host_level.py --small               # a tiny model, 1 repeat: the smoke test runs it
+    python benchmarks/host_level.py --restore-only        # the restarts alone, ~1.5 min
 
 The host folders go under a fresh directory in ``--host-memory-dir`` (default: a new folder in the tmpfs of the
 host level's default root), removed at the end, as is the work directory.
@@ -221,6 +222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        ("repeats", int), ("restore-repeats", int)):
         p.add_argument(f"--{name}", type=kind, help=f"default {DEFAULTS[name.replace('-', '_')]}")
     p.add_argument("--no-remote", action="store_true", help="skip the restore from S3 (moto's server)")
+    p.add_argument("--restore-only", action="store_true", help="measure the restarts and not the loops")
     p.add_argument("--host-memory-dir", help="a tmpfs directory to put the host folders under (default: the tmpfs "
                    f"of {DEFAULT_HOST_ROOT})")
     p.add_argument("--workdir", help="the checkpoints' dirpaths go in a fresh directory under it (default: the "
@@ -258,7 +260,7 @@ def run(args: argparse.Namespace, w: Workload, work: str, host_root: str, s3: di
     state_bytes = tree_bytes(lazyckpt.latest(sources["host"]["where"], host_memory_dir=host_root))
     restore_runs = measure_restores(w, sources, host_root, args.restore_repeats)
     shutil.rmtree(host_dir(sources["disk"]["where"], host_root))  # the restore's copy, kept at close
-    threads = sorted({torch.get_num_threads(), 1}, reverse=True)
+    threads = [] if args.restore_only else sorted({torch.get_num_threads(), 1}, reverse=True)
     loop_runs = [r for t in threads for r in measure_loops(w, t, work, host_root, args.repeats)]
     loops = {t: summarize_loops([r for r in loop_runs if r["threads"] == t]) for t in threads}
     restore = summarize_restores(restore_runs)
@@ -274,7 +276,8 @@ def print_report(result: dict, facts: dict) -> None:
           f"{facts['loadavg_at_start'][0]:.1f} at the start, {facts['loadavg_at_end'][0]:.1f} at the end; "
           f"{facts['wall_s']:.0f} s\n")
     print(restore_table(result["restore"]) + "\n")
-    print(loop_table(result["loops"]) + "\n")
+    if result["loops"]:
+        print(loop_table(result["loops"]) + "\n")
     entries = [{"key": k, "name": "host level" if k == "host" else f"host level, {k.split('_t')[1]} thread(s)"}
                for k in result["targets"]]
     print(targets_table(result["targets"], entries))
