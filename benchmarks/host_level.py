@@ -1,13 +1,13 @@
 """The host level (``keep_in_memory="host"``) on the default workload: how fast a restart resumes from it, and
 what it costs the training loop against ``keep_in_memory=False``.
 
-* **Restore**: one checkpoint of the default state (compare.py's workload, 289 MiB with AdamW) is held in the host
-  folder (a tmpfs), in ``dirpath`` on the local disk, and optionally in S3 (moto's server in its own process).
-  For each source in turn a fresh process imports torch and lazyckpt, builds the model and optimizer, finds the
-  newest checkpoint (``lazyckpt.latest``), loads it (checksums verified), ``load_state_dict``s it and runs one
-  training step. Before each disk restore the files are fsynced and their pages dropped from the page cache
-  (``posix_fadvise(POSIX_FADV_DONTNEED)``; dropping all caches needs root). Every source's first step must give
-  the same loss, bit for bit.
+* **Restore** (host_restore.py): one checkpoint of the default state (compare.py's workload, 289 MiB with AdamW)
+  is held in the host folder (a tmpfs), in ``dirpath`` on the local disk, and optionally in S3 (moto's server in
+  its own process). For each source in turn a fresh process imports torch and lazyckpt, builds the model and
+  optimizer, finds the newest checkpoint (``lazyckpt.latest``), loads it (checksums verified),
+  ``load_state_dict``s it and runs one training step: the same calls for every source. Before each disk restore
+  the files are fsynced and their pages dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``;
+  dropping all caches needs root). Every source's first step must give the same loss, bit for bit.
 * **Loop**: the same training loop, in this process, without checkpoints, with ``keep_in_memory=False`` and with
   ``keep_in_memory="host"`` (interleaved, the order rotated per repeat), at torch's default thread count and at
   one thread. The stall per checkpoint is the training-thread time in ``save()`` plus the ``wait_staged()``
@@ -16,8 +16,9 @@ what it costs the training loop against ``keep_in_memory=False``.
   in ``dirpath`` (compare.py's definition). Both are compared with the same steps of the loop without checkpoints.
 
 Usage:
-    python benchmarks/host_level.py --json host.json      # the default workload, ~6 min on 2 cores
+    python benchmarks/host_level.py --json host.json      # the default workload, ~8 min on 2 cores
     python benchmarks/host_level.py --small               # a tiny model, 1 repeat: the smoke test runs it
+    python benchmarks/host_level.py --restore-only        # the restarts alone, ~1.5 min
 
 The host folders go under a fresh directory in ``--host-memory-dir`` (default: a new folder in the tmpfs of the
 host level's default root), removed at the end, as is the work directory.
@@ -26,7 +27,6 @@ host level's default root), removed at the end, as is the work directory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -47,106 +47,18 @@ sys.path.insert(0, ROOT)  # this checkout's lazyckpt, whatever is installed
 import lazyckpt  # noqa: E402
 from compare import FULL  # noqa: E402
 from harness import log, run_facts, work_root  # noqa: E402
+from host_restore import measure_restores, restore_table, summarize_restores, write_sources  # noqa: E402
 from lazyckpt.storage.urls import DEFAULT_HOST_ROOT, host_dir  # noqa: E402
 from report import cell, spread, target_row, targets_table  # noqa: E402
-from workload import (Batches, MiB, Workload, build_model, evict_from_page_cache, lm_loss, make_optimizer,  # noqa: E402
-                      median, tree_bytes)
+from workload import Batches, MiB, Workload, build_model, lm_loss, make_optimizer, median, tree_bytes  # noqa: E402
 
-SMALL = {"params_m": 0.3, "batch": 2, "seq": 16, "every": 3, "checkpoints": 2, "repeats": 1}
-DEFAULTS = {**{k: FULL[k] for k in ("params_m", "batch", "seq")}, "every": 15, "checkpoints": 3, "repeats": 3}
+SMALL = {"params_m": 0.3, "batch": 2, "seq": 16, "every": 3, "checkpoints": 2, "repeats": 1, "restore_repeats": 1}
+DEFAULTS = {**{k: FULL[k] for k in ("params_m", "batch", "seq")}, "every": 15, "checkpoints": 3, "repeats": 3,
+            "restore_repeats": 5}
+"""``restore_repeats``: restarts per source (a restart takes seconds, and its load a tenth of one: more of them
+keep the median of the load steady on a noisy machine)."""
 VARIANTS = ("none", "disk", "host")
 """The loop without checkpoints, with ``keep_in_memory=False`` and with ``keep_in_memory="host"``."""
-
-RESTORE = """
-import json, sys, time
-started = time.perf_counter()
-spec = json.loads(sys.argv[1])
-sys.path[:0] = [spec["root"], spec["bench"]]
-import torch, lazyckpt
-from workload import Batches, Workload, build_model, lm_loss, make_optimizer
-imported = time.perf_counter()
-w = Workload(**spec["workload"])
-model = build_model(w); opt = make_optimizer(w, model.parameters())
-built = time.perf_counter()
-options = {"storage_options": spec["storage_options"]} if spec["storage_options"] else {}
-path = lazyckpt.latest(spec["where"], host_memory_dir=spec["host_memory_dir"], **options)
-state = lazyckpt.load(path, **options)
-loaded = time.perf_counter()
-model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
-loss = lm_loss(model, Batches(w)[0]); loss.backward(); opt.step()
-stepped = time.perf_counter()
-print(json.dumps({"path": path, "loss": loss.item(), "imports_s": imported - started, "build_s": built - imported,
-                  "load_s": loaded - built, "resume_s": stepped - built, "in_process_s": stepped - started}))
-"""
-
-
-# --- restore: a fresh process from each source to its first resumed step ------------------------------------------
-
-
-def trained_state(w: Workload) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
-    model, data = build_model(w), Batches(w)
-    opt = make_optimizer(w, model.parameters())
-    for step in range(2):
-        lm_loss(model, data[step]).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt, {"model": model.state_dict(), "opt": opt.state_dict()}
-
-
-def write_sources(w: Workload, work: str, host_root: str, s3: dict | None) -> dict[str, dict]:
-    """One checkpoint (step 2) in the host folder and ``dirpath`` (the host level, kept at close), and in S3:
-    ``{source: {"where": what latest() is given, "storage_options": ...}}``."""
-    _, opt, state = trained_state(w)
-    dirpath = os.path.join(work, "restore")
-    with lazyckpt.LazyCheckpointer(dirpath, keep_in_memory="host", host_memory_dir=host_root,
-                                   keep_on_close=True) as ckpt:
-        ckpt.save(state, step=2, optimizers=[opt])
-    sources = {"host": {"where": host_dir(dirpath, host_root), "storage_options": None},
-               "disk": {"where": dirpath, "storage_options": None}}
-    if s3 is not None:
-        with lazyckpt.LazyCheckpointer(os.path.join(work, "spool"), remote=s3["url"], remote_keep_last_k=1,
-                                       storage_options=s3["options"]) as ckpt:
-            ckpt.save(state, step=2, optimizers=[opt])
-        sources["s3"] = {"where": s3["url"], "storage_options": s3["options"]}
-    return sources
-
-
-def restore_once(w: Workload, source: dict, host_root: str, cold_dir: str | None) -> dict:
-    """One restart from ``source`` in a fresh process (``cold_dir``'s pages dropped first); its timings and the
-    wall time the parent saw."""
-    if cold_dir is not None:
-        evict_from_page_cache(cold_dir)
-    spec = {"root": ROOT, "bench": HERE, "workload": dataclasses.asdict(w), "host_memory_dir": host_root, **source}
-    started = time.perf_counter()
-    child = subprocess.run([sys.executable, "-c", RESTORE, json.dumps(spec)], capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if child.returncode != 0:
-        raise RuntimeError(f"the restore from {source['where']} failed:\n{child.stderr[-3000:]}")
-    return {**json.loads(child.stdout.strip().splitlines()[-1]), "restart_s": wall}
-
-
-def measure_restores(w: Workload, sources: dict[str, dict], host_root: str, repeats: int) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {name: [] for name in sources}
-    for _ in range(repeats):
-        for name, source in sources.items():
-            cold = lazyckpt.latest(source["where"], host_memory_dir=host_root) if name == "disk" else None
-            runs[name].append(restore_once(w, source, host_root, cold))
-            log(f"restore from {name}: {runs[name][-1]['restart_s']:.2f} s")
-    check_restores(runs, sources)
-    return runs
-
-
-def check_restores(runs: dict[str, list[dict]], sources: dict[str, dict]) -> None:
-    """Each source's restore read its own copy, and every first step computed the same loss."""
-    for name, done in runs.items():
-        where = sources[name]["where"].rstrip("/")
-        wrong = [r["path"] for r in done if not r["path"].startswith(where + "/")]
-        if wrong:
-            raise RuntimeError(f"the {name} restore read {wrong[0]}, not a checkpoint of {where}")
-    losses = {r["loss"] for done in runs.values() for r in done}
-    if len(losses) != 1:
-        raise RuntimeError(f"the first resumed step's loss differs between the sources: {sorted(losses)}")
-
 
 # --- the loop: stall per checkpoint and quiet steps ----------------------------------------------------------------
 
@@ -260,11 +172,6 @@ def half_range(value: dict | None) -> float:
 # --- the report ------------------------------------------------------------------------------------------------
 
 
-def summarize_restores(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    return {name: {key: spread([r[key] for r in done]) for key in
-                   ("restart_s", "imports_s", "build_s", "load_s", "resume_s")} for name, done in runs.items()}
-
-
 def targets(restore: dict[str, dict], loops: dict[int, dict[str, dict]]) -> dict[str, list[dict]]:
     def med(source: str, key: str) -> float:
         return restore[source][key]["median"]
@@ -285,18 +192,6 @@ def targets(restore: dict[str, dict], loops: dict[int, dict[str, dict]]) -> dict
                 f"{what} <= 1.05x the no-checkpoint loop's", host[f"{kind}_ms"], 1.05 * base[f"{kind}_ms"],
                 noise=half_range(base[f"{kind}_ms_per_repeat"])))
     return rows
-
-
-def restore_table(restore: dict[str, dict]) -> str:
-    names = {"host": "host folder (tmpfs)", "disk": "`dirpath`, local disk, cold", "s3": "S3 (moto server)"}
-    lines = ["| source | process start → first resumed step s | imports s | model + optimizer built s | latest + "
-             "load s | load → first resumed step s | vs host |", "|---|---|---|---|---|---|---|"]
-    host = restore["host"]["resume_s"]["median"]
-    for name, r in restore.items():
-        lines.append(f"| {names[name]} | {cell(r, 'restart_s', '.2f')} | {cell(r, 'imports_s', '.2f')} | "
-                     f"{cell(r, 'build_s', '.2f')} | {cell(r, 'load_s', '.3f')} | {cell(r, 'resume_s', '.3f')} | "
-                     f"{r['resume_s']['median'] / host:.2f}x |")
-    return "\n".join(lines)
 
 
 def loop_table(loops: dict[int, dict[str, dict]]) -> str:
@@ -324,9 +219,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="a tiny model, 1 repeat (the smoke test)")
     for name, kind in (("params-m", float), ("batch", int), ("seq", int), ("every", int), ("checkpoints", int),
-                       ("repeats", int)):
+                       ("repeats", int), ("restore-repeats", int)):
         p.add_argument(f"--{name}", type=kind, help=f"default {DEFAULTS[name.replace('-', '_')]}")
     p.add_argument("--no-remote", action="store_true", help="skip the restore from S3 (moto's server)")
+    p.add_argument("--restore-only", action="store_true", help="measure the restarts and not the loops")
     p.add_argument("--host-memory-dir", help="a tmpfs directory to put the host folders under (default: the tmpfs "
                    f"of {DEFAULT_HOST_ROOT})")
     p.add_argument("--workdir", help="the checkpoints' dirpaths go in a fresh directory under it (default: the "
@@ -362,9 +258,9 @@ def start_s3() -> tuple[subprocess.Popen, dict]:
 def run(args: argparse.Namespace, w: Workload, work: str, host_root: str, s3: dict | None) -> dict:
     sources = write_sources(w, work, host_root, s3)
     state_bytes = tree_bytes(lazyckpt.latest(sources["host"]["where"], host_memory_dir=host_root))
-    restore_runs = measure_restores(w, sources, host_root, args.repeats)
+    restore_runs = measure_restores(w, sources, host_root, args.restore_repeats)
     shutil.rmtree(host_dir(sources["disk"]["where"], host_root))  # the restore's copy, kept at close
-    threads = sorted({torch.get_num_threads(), 1}, reverse=True)
+    threads = [] if args.restore_only else sorted({torch.get_num_threads(), 1}, reverse=True)
     loop_runs = [r for t in threads for r in measure_loops(w, t, work, host_root, args.repeats)]
     loops = {t: summarize_loops([r for r in loop_runs if r["threads"] == t]) for t in threads}
     restore = summarize_restores(restore_runs)
@@ -375,11 +271,13 @@ def run(args: argparse.Namespace, w: Workload, work: str, host_root: str, s3: di
 def print_report(result: dict, facts: dict) -> None:
     w = facts["workload"]
     print(f"\nworkload: {w['params_m']:g}M parameters, {result['state_mib']:.0f} MiB of state, a checkpoint every "
-          f"{w['every']} steps, {w['checkpoints']} measured per loop, {facts['repeats']} repeats; load average "
+          f"{w['every']} steps, {w['checkpoints']} measured per loop, {facts['repeats']} loop repeats, "
+          f"{facts['restore_repeats']} restarts per source; load average "
           f"{facts['loadavg_at_start'][0]:.1f} at the start, {facts['loadavg_at_end'][0]:.1f} at the end; "
           f"{facts['wall_s']:.0f} s\n")
     print(restore_table(result["restore"]) + "\n")
-    print(loop_table(result["loops"]) + "\n")
+    if result["loops"]:
+        print(loop_table(result["loops"]) + "\n")
     entries = [{"key": k, "name": "host level" if k == "host" else f"host level, {k.split('_t')[1]} thread(s)"}
                for k in result["targets"]]
     print(targets_table(result["targets"], entries))
@@ -403,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             server.terminate()
             server.wait()
     facts = {**run_facts(started, "host_level.py"), "workload": w.describe(), "repeats": args.repeats,
+             "restore_repeats": args.restore_repeats,
              "torch_threads": torch.get_num_threads(), "loadavg_at_start": load_start}
     print_report(result, facts)
     if args.json:

@@ -395,13 +395,13 @@ def test_host_level_small_restores_from_every_source_and_frees_the_host_folders(
 
 def test_host_level_refuses_a_restore_that_read_another_copy_or_another_state(monkeypatch):
     monkeypatch.syspath_prepend(BENCH)
-    import host_level
+    import host_restore
 
     sources = {"host": {"where": "/shm/abc"}, "disk": {"where": "/run"}}
     good = {"host": [{"path": "/shm/abc/step-0000002", "loss": 1.5}], "disk": [{"path": "/run/step-0000002",
                                                                                   "loss": 1.5}]}
-    host_level.check_restores(good, sources)
+    host_restore.check_restores(good, sources)
     with pytest.raises(RuntimeError, match="the disk restore read /shm/abc/step-0000002"):
-        host_level.check_restores({**good, "disk": good["host"]}, sources)
+        host_restore.check_restores({**good, "disk": good["host"]}, sources)
     with pytest.raises(RuntimeError, match="loss differs between the sources"):
-        host_level.check_restores({**good, "disk": [{"path": "/run/step-0000002", "loss": 1.25}]}, sources)
+        host_restore.check_restores({**good, "disk": [{"path": "/run/step-0000002", "loss": 1.25}]}, sources)

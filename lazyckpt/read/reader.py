@@ -22,6 +22,7 @@ from lazyckpt.format.header import header_length, parse_header, torch_dtype
 from lazyckpt.format.manifest import MAX_MANIFEST_BYTES, SEAL_FIELD
 from lazyckpt.format.schema import (GlobalView, check_against_global_view, check_aliases, check_member_name,
                                     parse_manifest)
+from lazyckpt.read.fresh_memory import empty_cpu
 from lazyckpt.read.tensor_io import read_exact, read_tensor_bytes
 from lazyckpt.storage import FileInfo, FileKind, LocalStorage, ReadHandle, Storage
 from lazyckpt.storage.urls import is_url
@@ -213,8 +214,10 @@ def _allocate(opened: RankFile, entries: dict[str, Any], device: torch.device) -
     tensors = {}
     for key, entry in entries.items():
         try:
-            tensors[key] = torch.empty(entry["shape"], dtype=_dtype(opened, key, entry), device=device)
-        except (RuntimeError, MemoryError) as e:  # e.g. a huge tensor in a sparse file
+            dtype = _dtype(opened, key, entry)
+            tensors[key] = (empty_cpu(entry["shape"], dtype) if device.type == "cpu"
+                            else torch.empty(entry["shape"], dtype=dtype, device=device))
+        except (RuntimeError, MemoryError, OSError) as e:  # e.g. a huge tensor in a sparse file
             raise MemoryError(f"{opened.file}: cannot allocate tensor {key!r} {entry['shape']} on {device}: "
                               f"{e}") from None
     return tensors

@@ -58,8 +58,12 @@ def read_tensor_bytes(handle: ReadHandle, file: str, data_start: int, entries: d
     """Fill ``targets`` (or, when ``None``, only check) with every tensor's bytes, checking each chunk."""
     # Workers run numpy and (for a device) one copy_ per piece: one torch thread each, so no OpenMP team outlives
     # the load; they keep normal priority because the caller is waiting for them.
-    with ThreadPoolExecutor(WORKERS, thread_name_prefix="lazyckpt-load", initializer=limit_torch_threads_here) as pool:
-        _Transfer(handle, file, targets, verify, progress).run(pool, _pieces(entries, data_start))
+    transfer = _Transfer(handle, file, targets, verify, progress)
+    # Into CPU tensors the workers read too (the reading thread only hands pieces out): a read from a tmpfs or the
+    # page cache is a memory copy, and copies on every core overlap as checks do.
+    threads = WORKERS + 1 if transfer.parallel else WORKERS
+    with ThreadPoolExecutor(threads, thread_name_prefix="lazyckpt-load", initializer=limit_torch_threads_here) as pool:
+        transfer.run(pool, _pieces(entries, data_start))
 
 
 class _Transfer:
@@ -70,15 +74,20 @@ class _Transfer:
         self.handle, self.file, self.targets, self.verify, self.progress = handle, file, targets, verify, progress
         direct = targets is not None and all(t.device.type == "cpu" for t in targets.values())
         self.ring = None if direct else _ring(targets)
+        self.parallel = direct and getattr(handle, "parallel_reads", False)
+        """Pieces are read on the workers too (a handle whose positional reads may run at once, CPU targets)."""
         self.slot_users: list[Future | None] = [None] * (len(self.ring) if self.ring else 0)
         self.views: dict[str, np.ndarray] = {}
 
     def run(self, pool: ThreadPoolExecutor, pieces: Iterator[_Piece]) -> None:
         pending: deque[Future] = deque()
         for index, piece in enumerate(pieces):
-            if len(pending) >= 2 * WORKERS:
+            if len(pending) >= 2 * (WORKERS + self.parallel):
                 pending.popleft().result()
             buffer, staged = self._buffer_for(index, piece)
+            if self.parallel and piece.nbytes > _INLINE_BYTES:
+                pending.append(pool.submit(self._read_and_finish, piece, buffer))
+                continue
             read_exact(self.handle, piece.file_offset, buffer, self.file, f"tensor {piece.key!r}")
             target = self.targets[piece.key] if self.targets is not None and staged is not None else None
             args = (piece, buffer, staged, target, self.file, self.verify, self.progress)
@@ -90,6 +99,11 @@ class _Transfer:
                 self.slot_users[index % len(self.ring)] = pending[-1]
         while pending:
             pending.popleft().result()
+
+    def _read_and_finish(self, piece: _Piece, buffer: np.ndarray) -> None:
+        """A piece into its CPU tensor's own bytes, then its checks (on a worker: nothing else touches them)."""
+        read_exact(self.handle, piece.file_offset, buffer, self.file, f"tensor {piece.key!r}")
+        _finish(piece, buffer, None, None, self.file, self.verify, self.progress)
 
     def _buffer_for(self, index: int, piece: _Piece) -> tuple[np.ndarray, torch.Tensor | None]:
         """The destination tensor's own bytes (CPU), or a free ring buffer to stage the piece in."""

@@ -38,7 +38,9 @@ class FileInfo:
 
 @runtime_checkable
 class ReadHandle(Protocol):
-    """An open file for positional reads."""
+    """An open file for positional reads. A handle whose reads may run on several threads at once (each at its
+    own offset, e.g. ``preadv``) says so with a true ``parallel_reads`` attribute; without it the reader reads
+    from one thread."""
 
     size: int
 

@@ -137,6 +137,9 @@ class _ReadFile:
     """A regular file opened for positional reads. ``O_NONBLOCK`` makes opening a FIFO return at once, and the
     ``fstat`` check then refuses it, so a hostile directory cannot hang the reader."""
 
+    parallel_reads = True
+    """``preadv`` keeps no file position: threads may read at once."""
+
     def __init__(self, path: str) -> None:
         self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | CLOEXEC)
         st = os.fstat(self.fd)
