@@ -32,6 +32,7 @@ from lazyckpt.config import CheckpointConfig, CopyBackendName, OnBusy, OnOlderSt
 from lazyckpt.engine import LazyCheckpointer
 from lazyckpt.errors import (CheckpointCorruptError, CheckpointDiscardedError, CheckpointFormatError,
                              CheckpointMismatchError, CheckpointNotFoundError, CommitAbandoned, DirectoryLockedError,
+                             RanksDisagreeError,
                              NothingToRollBackTo, RemoteUnreachableError, RollbackLimitError,
                              SnapshotConsistencyError, StepAlreadyCommittedError, StepOrderError,
                              UnsupportedValueError)
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> Any:
 __all__ = sorted([
     "CheckpointConfig", "CheckpointCorruptError", "CheckpointDiscardedError", "CheckpointFormatError",
     "CheckpointMismatchError", "CheckpointNotFoundError", "CommitAbandoned", "NothingToRollBackTo",
+    "RanksDisagreeError",
     "RemoteUnreachableError", "RollbackLimitError", "RollbackPolicy", "is_nonfinite",
     "CheckpointStats", "CopyBackendName", "Deferred", "DirectoryLockedError", "LazyCheckpoint",
     "LazyCheckpointCallback", "LazyCheckpointHook", "LazyCheckpointIO", "LazyCheckpointer", "LazyFabricIO", "OnBusy", "OnOlderStep", "PendingCheckpoint",

@@ -28,6 +28,11 @@ class SnapshotConsistencyError(RuntimeError):
     """A lazily captured tensor changed in place inside the immutability window (torn snapshot)."""
 
 
+class RanksDisagreeError(RuntimeError):
+    """At restart, the ranks hold no step in common on any level (a node's copies were all lost), while some hold
+    steps: resuming would put ranks at different steps."""
+
+
 class DirectoryLockedError(RuntimeError):
     """Another live checkpointer of this process or another one writes the same directory and rank."""
 

@@ -198,3 +198,45 @@ def _keeper_runs_out_of_room(rank: int, world_size: int, tmp: str) -> None:
 
 def test_a_keeper_out_of_room_keeps_its_older_copy_and_nobody_waits(tmp_path):
     run_ranks(_keeper_runs_out_of_room, RANKS, str(tmp_path))
+
+
+def _one_ring_stuck_then_die(rank: int, world_size: int, tmp: str) -> None:
+    """Rank 1's transfer of step 4 never ends (its ring 1->3 hangs), while the saves go on to step 5."""
+    import lazyckpt.levels.peer.level as peer_level
+
+    transfer = peer_level.transfer
+
+    def stuck(group, storage, sends, receives, landing):
+        if rank == 1 and any(out.step == 4 for out in sends.values()):
+            threading.Event().wait()
+        return transfer(group, storage, sends, receives, landing)
+
+    peer_level.transfer = stuck
+    ckpt = _checkpointer(tmp, rank)
+    for step in range(1, 6):
+        ckpt.save(_state(rank, step), step=step).wait()
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_transfers_start_together_so_a_stuck_ring_still_leaves_a_common_step(tmp_path):
+    """Each local position is a ring of its own (0->2->0, 1->3->1); one that hangs must not let the other run ahead
+    until the lost node's keepers share no step."""
+    tmp = str(tmp_path)
+    run_ranks(_one_ring_stuck_then_die, RANKS, tmp, meet_at_end=False)
+    _lose_node(tmp, 0)
+    run_ranks(_resume_anywhere, RANKS, tmp, 3)
+
+
+def _expect_disagreement(rank: int, world_size: int, tmp: str) -> None:
+    with pytest.raises(lazyckpt.RanksDisagreeError, match="hold no checkpoint step in common"):
+        _checkpointer(tmp, rank)
+
+
+def test_ranks_holding_no_step_in_common_are_told_instead_of_resuming_apart(tmp_path):
+    tmp = str(tmp_path)
+    run_ranks(_train_then_die, RANKS, tmp, 3, None, meet_at_end=False)
+    _lose_node(tmp, 0)
+    for source in (0, 1):
+        shutil.rmtree(_kept(tmp, source + PER_NODE, source))
+    run_ranks(_expect_disagreement, RANKS, tmp)

@@ -23,6 +23,8 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, RANK_FILE, rank_file, rank_manifest, step_dirname
 from lazyckpt.levels.peer.wire import Outgoing, PathOf, open_outgoing, transfer
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 KEPT_PREFIX = "peer-rank"
 """In a host folder, ``peer-rankNNNNN/``: the copies this node keeps of rank NNNNN (of another node)."""
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 """A file name a peer may send: one plain name, never a path (nor ``..``)."""
 
 
@@ -73,8 +75,6 @@ class PeerLevel:
         Raises:
             ValueError: ``memory_peers=1`` outside an initialized ``torch.distributed`` process group.
         """
-        import torch.distributed as dist
-
         if not config.memory_peers:
             return None
         if rendezvous is None or not (dist.is_available() and dist.is_initialized()):
@@ -146,6 +146,9 @@ class PeerLevel:
                 done.set()
 
     def _exchange(self, outgoing: Outgoing) -> None:
+        # Every rank starts its transfer of a step together: the rings of local positions (0->2, 1->3, ...) would
+        # drift apart otherwise, and after a lost node one rank's keeper could hold only steps another's lacks.
+        dist.barrier(group=self.group)
         try:
             received = transfer(self.group, self.storage, {self.keeper[self.rank]: outgoing}, self.kept,
                                 self._landing)
@@ -158,10 +161,11 @@ class PeerLevel:
     def _landing(self, source: int, header: dict[str, Any]) -> PathOf | None:
         """Where ``source``'s copy of a step goes (None: it sent none, or names that are not its files)."""
         files = header.get("files") or []
-        if not files or not all(isinstance(n, str) and _SAFE_NAME.fullmatch(n) for n, _ in files):
+        if not files or not all(isinstance(n, str) and SAFE_NAME.fullmatch(n) for n, _ in files):
             return None
         partial = os.path.join(kept_dir(self.folder, source), step_dirname(int(header["step"])) + PARTIAL_SUFFIX)
-        self._prune(source, keep=1)  # room for the new copy: the newest complete one stays while it comes in
+        self._prune(source, keep=1)  # room for the new copy: the newest complete one stays while it comes in (every
+        # rank's transfer of the step before has ended: they start together)
         self.storage.remove_tree(partial)
         self.storage.make_dir(partial)
         return lambda name: os.path.join(partial, name)
@@ -174,9 +178,9 @@ class PeerLevel:
         self._prune(source, keep=2)
 
     def _prune(self, source: int, *, keep: int) -> None:
-        """Keep the ``keep`` newest complete copies of ``source``. Two, not one: the ranks' transfers end at
-        different times, so when a node dies one source's newest copy may be a step newer than another's; each
-        keeper still holds the step before, which every rank can then resume from."""
+        """Keep the ``keep`` newest complete copies of ``source``. Two once a copy is in, not one: the ranks'
+        transfers start together but end at different times, so when a node dies one source's newest copy may be
+        a step newer than another's; each keeper still holds the step before, which every rank can resume from."""
         steps = committed_steps(kept_dir(self.folder, source), self.storage)
         for step in sorted(steps)[:-keep]:
             self.storage.remove_tree(steps[step])

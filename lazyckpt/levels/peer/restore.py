@@ -20,7 +20,7 @@ from typing import Any
 
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, rank_file, step_dirname
-from lazyckpt.levels.peer.level import PeerLevel, kept_dir
+from lazyckpt.levels.peer.level import SAFE_NAME, PeerLevel, kept_dir
 from lazyckpt.levels.peer.wire import PathOf, open_outgoing, transfer
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ def _receive(peer: PeerLevel, step: int, lacking: list[int]) -> None:
     # object (the same in every rank's copy) is the leader's to write
 
     def landing(source: int, header: dict[str, Any]) -> PathOf:
-        if header.get("step") != step or not header.get("files"):
+        if header.get("step") != step or not header.get("files") or not all(
+                isinstance(n, str) and SAFE_NAME.fullmatch(n) for n, _ in header["files"]):
             raise RuntimeError(f"lazyckpt: rank {source} holds no copy of step {step} for rank {peer.rank} although "
                                "it said so; restart the job (nothing was restored)")
         peer.storage.make_dir(partial)

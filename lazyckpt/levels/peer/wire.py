@@ -8,7 +8,11 @@ receives of a phase before waiting on any, so a ring of ranks that each send and
 
 1. the length of each sender's header (one ``int64``);
 2. the header: JSON ``{"step": N, "files": [[name, size], ...]}`` (no files: the sender no longer had the step);
-3. the files' bytes in pieces of :data:`PIECE_BYTES`, in the header's order: one piece per peer and round.
+3. the files' bytes in pieces of :data:`PIECE_BYTES`, in the header's order: one piece per peer and round;
+4. each sender's word that every piece it sent was read whole (one ``int64``, 1 or 0).
+
+A side that fails midway (a file that cannot be read or written) goes on sending or receiving every piece and
+reports its failure only after phase 4, so the other side is never left blocked and the next transfer pairs up.
 
 The sender reads from files it opened when the step was committed (an open file on a tmpfs outlives its removal
 by retention); the receiver writes each file where ``landing`` says, and checks nothing: every chunk is checked
@@ -81,19 +85,35 @@ def transfer(group: Any, storage: Storage, sends: dict[int, Outgoing], receives:
     got = {src: json.loads(bytes(headers[src].numpy())) for src in receives}
     writers = {src: _Writer(storage, landing, src, got[src]) for src in receives}
     try:
-        _stream(group, sends, got, writers)
+        unread = _stream(group, sends, got, writers)
+        words = _swap({dst: _int64(dst not in unread) for dst in sends}, {src: _int64(0) for src in receives}, group)
     finally:
         for writer in writers.values():
             writer.close()
-    failed = [writer.error for writer in writers.values() if writer.error is not None]
+    for src, word in words.items():
+        if not word.item() and writers[src].error is None:  # what came is not the sender's file: dropped
+            writers[src].error = OSError(f"lazyckpt: rank {src} could not read its files of step {got[src]['step']}")
+    failed = [unread[dst] for dst in unread] + [w.error for w in writers.values() if w.error is not None]
     if failed:  # raised only now: every piece was still received, so the senders' transfers ended too
         raise failed[0]
     return {src: got[src] for src, writer in writers.items() if writer.handles is not None}
 
 
+def _fill(handle: Any, offset: int, piece: torch.Tensor) -> BaseException | None:
+    """Read a piece to send; on a failure, zeros go instead (phase 4 then tells the receiver to drop them)."""
+    try:
+        _read_fully(handle, offset, piece)
+        return None
+    except Exception as e:  # noqa: BLE001 - reported after the transfer, see the module docstring
+        piece.zero_()
+        return e
+
+
 def _stream(group: Any, sends: dict[int, Outgoing], got: dict[int, dict[str, Any]],
-            writers: dict[int, _Writer]) -> None:
-    """Phase 3: piece ``i`` of every file list, to and from every peer, round after round."""
+            writers: dict[int, _Writer]) -> dict[int, BaseException]:
+    """Phase 3: piece ``i`` of every file list, to and from every peer, round after round; returns the first read
+    failure for each peer whose files could not all be read."""
+    unread: dict[int, BaseException] = {}
     out_pieces = {dst: _pieces(out.files) for dst, out in sends.items()}
     in_pieces = {src: _pieces([tuple(f) for f in header["files"]]) for src, header in got.items()}
     out_buffers = {dst: torch.empty(PIECE_BYTES, dtype=torch.uint8) for dst in sends}
@@ -105,13 +125,16 @@ def _stream(group: Any, sends: dict[int, Outgoing], got: dict[int, dict[str, Any
             if i < len(pieces):
                 index, offset, length = pieces[i]
                 piece = out_buffers[dst][:length]
-                _read_fully(sends[dst].handles[index], offset, piece)
+                error = _fill(sends[dst].handles[index], offset, piece)
+                if error is not None:
+                    unread.setdefault(dst, error)
                 outgoing[dst] = piece
         incoming = {src: in_buffers[src][:pieces[i][2]] for src, pieces in in_pieces.items() if i < len(pieces)}
         _swap(outgoing, incoming, group)
         for src, piece in incoming.items():
             index, offset, _ = in_pieces[src][i]
             writers[src].write(index, offset, piece)
+    return unread
 
 
 def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:

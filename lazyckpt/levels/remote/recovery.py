@@ -18,7 +18,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from lazyckpt.errors import CheckpointFormatError, CommitAbandoned
+from lazyckpt.errors import CheckpointFormatError, CommitAbandoned, RanksDisagreeError
 from lazyckpt.format.catalog import committed_steps
 from lazyckpt.format.files import step_dirname
 from lazyckpt.levels.directory import move_aside
@@ -39,9 +39,11 @@ def recover_local_steps(level: RemoteLevel, local_root: str) -> list[int]:
     local = committed_steps(local_root, level.local)
     here = set(remote_steps(*level.listed_at)[0])
     due, beyond = _agree(level, set(local), here)
-    if level.leads and beyond is not None:  # the host level's remote is a file:// directory: renamed in place
-        _set_aside(level, local_root, [s for s in local if s > beyond])
-        _set_aside(level, level.url.removeprefix("file://"), [s for s in here if s > beyond])
+    if beyond is not None:
+        if level.rendezvous is None or level.rendezvous.leader == level.rank:  # the local folder's leader
+            _set_aside(level, local_root, [s for s in local if s > beyond])
+        if level.leads:  # the host level's remote is a file:// directory: renamed in place by its leader
+            _set_aside(level, level.url.removeprefix("file://"), [s for s in here if s > beyond])
     if level.rendezvous is not None:  # no rank looks for its newest step before its leader moved those aside
         level.rendezvous.exchange("set-aside", b"")
     for step in due:
@@ -61,9 +63,20 @@ def _agree(level: RemoteLevel, local: set[int], here: set[int]) -> tuple[list[in
         return sorted(s for s in local if s > newest_here), None
     mine = json.dumps({"local": sorted(local), "here": sorted(here), "newest": newest_here}).encode()
     views = [json.loads(v) for v in level.rendezvous.exchange("recover", mine)]
-    everywhere = set.intersection(*(set(v["local"]) | set(v["here"]) for v in views))
+    held = [set(v["local"]) | set(v["here"]) for v in views]
+    everywhere = set.intersection(*held)
+    if not everywhere and any(held):
+        raise RanksDisagreeError(
+            "lazyckpt: the ranks hold no checkpoint step in common (a node's copies were all lost), so they cannot "
+            f"resume together; steps by rank: {_by_rank(held)}. Restore the lost ranks' steps (e.g. from a remote "
+            "copy), or move every rank's dirpath and host folder aside to start over")
     due = sorted(s for s in everywhere if any(s > v["newest"] and s not in v["here"] for v in views))
     return due, max(everywhere, default=None)
+
+
+def _by_rank(held: list[set[int]]) -> str:
+    shown = [f"{rank}: {sorted(steps)[-3:]}" for rank, steps in enumerate(held)][:16]
+    return "{" + ", ".join(shown) + (", ..." if len(held) > 16 else "") + "}"
 
 
 def _set_aside(level: RemoteLevel, root: str, steps: list[int]) -> None:
