@@ -227,15 +227,21 @@ class CheckpointSession:
 
     def landed(self, pending: PendingCheckpoint) -> bool:
         """``pending`` is committed (or failed) in the directory its names and retention act on: with the host
-        level, once its copy from the host folder to that disk directory ended too. Never blocks."""
-        return pending.done() and (not self._names_follow_copy or pending.remote_done())
+        level, once its copy from the host folder to that disk directory ended too, its one retry included (a
+        failed copy is tried again at the next commit; its names wait for it). Never blocks."""
+        return pending.done() and (not self._names_follow_copy or pending.remote_settled())
 
     def wait_landed(self, pending: PendingCheckpoint) -> bool:
         """Block until ``pending`` :meth:`landed`; True when it is committed there, False when it failed there or
-        was skipped (the engine raises the failure at its next call)."""
+        was skipped (the engine raises the failure at its next call). A failed copy's retry is queued now rather
+        than at a next commit that may not come (the end of a run)."""
         if pending.failed or pending.wait() is None:
             return False
-        return not self._names_follow_copy or (pending.remote_done(wait=True) and not pending.remote_failed)
+        if not self._names_follow_copy:
+            return True
+        if pending.remote_done() and not pending.remote_settled():
+            self.engine.remote.retry_failed()
+        return pending.remote_settled(wait=True) and not pending.remote_given_up
 
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.levels.retention.steps_to_purge`):
