@@ -13,7 +13,8 @@ import pytest
 from test_accelerate_crash import (BATCH, CRASH_EXIT_CODE, EPOCHS, SAMPLES, assert_same_training_state, check,
                                    final, run_script)
 
-from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.catalog import committed_steps, is_committed
+from lazyckpt.storage import LocalStorage
 from lazyckpt.storage.urls import host_dir
 
 pytestmark = pytest.mark.slow
@@ -57,8 +58,13 @@ def test_lightning_resumes_last_from_the_host_folder_bit_exact_and_its_names_liv
 
     _train(ckpt, *host, "--resume", "last", out=tmp_path / "resumed.pt")
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)  # from step 16
+    seen = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert seen["ckpt_path"] == str(ckpt / "step-0000016"), "trainer.ckpt_path names the step in dirpath"
+    assert is_committed(LocalStorage(), seen["ckpt_path"]), "and it outlives the host folder"
+    assert os.path.dirname(os.path.realpath(seen["best_model_path"])) == str(ckpt)
     assert _steps(ckpt) == [8, 16, 24]
     assert os.path.realpath(ckpt / "last.ckpt") == str(ckpt / "step-0000024"), "ModelCheckpoint's names in dirpath"
+    assert os.readlink(ckpt / "epoch=1-step=16.ckpt") == "step-0000016", "the names its save planned, put in place"
     assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"
 
 
