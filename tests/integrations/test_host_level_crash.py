@@ -106,3 +106,32 @@ def test_the_trainer_resumes_the_step_only_the_host_folder_holds_bit_exact_under
     assert (out / "checkpoint-6" / "trainer_state.json").is_file()
     assert _steps(ckpt) == [3, 6, 9, 12]
     assert not os.path.exists(host_dir(str(ckpt), str(shm)))
+
+
+def test_fabric_resumes_the_step_only_the_host_folder_holds_bit_exact_and_commits_it_in_dirpath(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from helpers import fabric_run
+
+    def train(name, *args, expect=0):
+        command = [sys.executable, fabric_run.__file__, "--out", str(tmp_path / f"{name}.pt"), *map(str, args)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+        assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return torch.load(tmp_path / f"{name}.pt", weights_only=False) if expect == 0 else None
+
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    reference = train("reference", "--dirpath", tmp_path / "plain")
+    train("crashed", "--dirpath", ckpt, "--host-memory-dir", shm, "--stall-copy-of", 4,
+          expect=fabric_run.CRASH_EXIT_CODE)
+    assert max(_steps(ckpt)) == 3 and 4 in _steps(host_dir(str(ckpt), str(shm))), "step 4 in the host folder only"
+
+    resumed = train("resumed", "--dirpath", ckpt, "--host-memory-dir", shm, "--resume")
+    assert resumed["resumed_from"] == 4, "fabric.load(dirpath) found the host folder's step, not dirpath's older one"
+    for key, tensor in reference["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    steps = _steps(ckpt)
+    assert 4 in steps and 5 not in steps and steps[-1] == 6, "step 4 committed in dirpath, the steps count on after it"
+    assert os.readlink(ckpt / "last.ckpt") == "step-0000006"
+    assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"
