@@ -295,6 +295,9 @@ class _NoNames(CheckpointNames):
     def drop(self, name: str) -> None:
         return None
 
+    def adopt(self, step: int, names: list[str]) -> None:
+        return None  # nothing to name outside a fit
+
     @contextmanager
     def deciding(self) -> Iterator[None]:
         yield
