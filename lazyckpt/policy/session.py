@@ -34,6 +34,7 @@ from lazyckpt.levels.remote.contents import newest_checkpoint
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.resume import committed_copy
 from lazyckpt.ranks.group import default_store
 from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.read.load import load
@@ -300,9 +301,11 @@ class CheckpointSession:
 
     def newest(self) -> str | None:
         """The newest committed checkpoint of this run: on the local level or, with a remote level, there (its
-        URL) when it is newer, e.g. on a fresh node whose local directory is empty."""
+        URL) when it is newer, e.g. on a fresh node whose local directory is empty. With the host level, a step
+        committed in ``dirpath`` too is given there (a clean close frees the host folder)."""
         config = self.engine.config
-        return newest_checkpoint(self.engine.dirpath, config.remote, config.storage_options)
+        found = newest_checkpoint(self.engine.dirpath, config.remote, config.storage_options)
+        return committed_copy(found) if found is not None and self._names_follow_copy else found
 
     def load(self, path: str, **kwargs: Any) -> Any:
         """``lazyckpt.load(path, ...)``, reading a remote URL with this run's ``storage_options``."""

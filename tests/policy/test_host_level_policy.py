@@ -69,6 +69,14 @@ def test_a_resume_finds_the_host_folders_newer_step_and_goes_on_in_its_dirpath(t
     session.close()
 
 
+def test_the_newest_step_a_session_gives_is_its_copy_in_dirpath_never_the_host_folders(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    session = CheckpointSession(ckpt, host_options(tmp_path / "shm"), rank=0, world_size=1)
+    _save(session, 1).wait_remote()
+    assert session.newest() == str(ckpt / "step-0000001"), "what Accelerate's load_state and Fabric resume from"
+    session.close()
+
+
 def _first_copy_fails(tmp_path, monkeypatch):
     """A host-level session whose copy of step 1 to dirpath fails once, step 1 named ``last.ckpt`` and requested:
     ``(ckpt, session, names)``."""
