@@ -114,6 +114,12 @@ def would_save_on_exception(callback: Any, trainer: Any) -> bool:
         return False
 
 
+def replace_ckpt_path(trainer: Any, path: Any) -> None:
+    """Make ``trainer.ckpt_path`` name ``path`` (the same checkpoint, found elsewhere) without the public setter,
+    which would also mark the path user-managed and change what the next ``fit`` loads."""
+    trainer._checkpoint_connector._ckpt_path = path
+
+
 def dump_checkpoint(trainer: Any, weights_only: bool) -> dict[str, Any]:
     """The dict ``trainer.save_checkpoint`` would write (every callback's ``on_save_checkpoint`` included), without
     writing it: the public method always hands it to the CheckpointIO synchronously."""

@@ -17,8 +17,9 @@ from typing_extensions import override
 
 from lazyckpt.config import normalize_dirpath
 from lazyckpt.engine import LazyCheckpointer
+from lazyckpt.format.files import step_of_dir
 from lazyckpt.policy import (NO_NAMES, CheckpointNames, CheckpointSession, EngineOptions, ResumedRng, RunFeedback,
-                             SessionOptions, open_directories, run_directory, url_dirpath_levels)
+                             SessionOptions, committed_copy, open_directories, run_directory, url_dirpath_levels)
 from lazyckpt.tree.preflight import check_hyperparameters
 from lazyckpt.write.stats import CheckpointStats
 
@@ -225,6 +226,20 @@ class LazyCheckpointMixin(LazyFileOperationsMixin):
             if normalize_dirpath(steps_dir) != self.session.dirpath:
                 self._close(raise_errors=True)  # saved nothing: leaves nothing
                 self._open(trainer, steps_dir)
+        if self.session is not None and trainer.ckpt_path:
+            self._adopt_host_step(trainer, checkpoint.get("callbacks", {}).get(self.state_key, {}))
+
+    def _adopt_host_step(self, trainer: Any, state: dict[str, Any]) -> None:
+        """A resumed host step is committed in dirpath by now, and a clean close frees the host folder: the path
+        the run shows (and protects) is its copy there, under the names its save planned (the crash came before
+        they were put in place: those the saved state holds that are missing, and ``last``)."""
+        copy = committed_copy(trainer.ckpt_path)
+        if copy == trainer.ckpt_path:
+            return
+        _compat.replace_ckpt_path(trainer, copy)
+        planned = [*state.get("best_k_models", {}), state.get("best_model_path"), state.get("kth_best_model_path")]
+        missing = {n for n in planned if n and self.session.storage.stat(n) is None}
+        self._names.adopt(step_of_dir(copy), sorted(missing | {n for n in [state.get("last_model_path")] if n}))
 
 
 def _no_trainer() -> None:

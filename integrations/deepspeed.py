@@ -42,7 +42,8 @@ from lazyckpt.policy import CheckpointSession, SessionOptions
 from lazyckpt.ranks.group import rank_and_size
 from lazyckpt.read.load import load
 from lazyckpt.read.reader import CheckpointReader
-from lazyckpt.storage import LocalStorage
+from lazyckpt.format.files import MANIFEST
+from lazyckpt.storage import FileKind, LocalStorage, kind_of
 from lazyckpt.threads import weakly
 
 
@@ -183,6 +184,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.submit()
         if self._folder is not None:
             self._folder.finish()
+        self._commit_host_step(normalize_dirpath(load_dir))
         if self._rank == 0:
             load_dir = normalize_dirpath(load_dir)
             marked = ensure_markers(load_dir, LocalStorage())  # a step directory itself
@@ -190,6 +192,16 @@ class LazyCheckpointEngine(CheckpointEngine):
                 repair_latest(LocalStorage(), load_dir, load_dir)
         if self._world_size > 1:
             torch.distributed.barrier()
+
+    def _commit_host_step(self, load_dir: str) -> None:
+        """With ``keep_in_memory="host"`` (every rank): a step a crash kept in the host folder only is committed in
+        its steps directory first, where the repair of ``latest`` and DeepSpeed's loader look (and the host folder
+        is freed). Not for a step directory loaded itself, nor a directory whose session is open (it did so)."""
+        steps_dir = self._steps_dir or load_dir
+        open_here = self._folder is not None and self._folder.session.dirpath == steps_dir
+        if open_here or kind_of(LocalStorage(), os.path.join(load_dir, MANIFEST)) is FileKind.FILE:
+            return
+        CheckpointSession.commit_host_leftovers(steps_dir, self.options, rank=self._rank, world_size=self._world_size)
 
     def after_load(self) -> None:
         self._loaded.clear()

@@ -105,10 +105,23 @@ class LazyFabricIO(CheckpointIO):
                 run.session.engine.wait_staged()  # and a failed one raises here, not at the next update
         if url:
             return load(name, map_location=map_location, verify=verify, storage_options=self.options.storage_options)
+        self._commit_host_step(name if _is_run_folder(name) else os.path.dirname(name))
         target = _lazyckpt_checkpoint(name)
         if target is None:
             return self._torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         return load(target, map_location=map_location, verify=verify)
+
+    def _commit_host_step(self, folder: str) -> None:
+        """With ``keep_in_memory="host"``: a step a crash kept in ``folder``'s host folder only is committed in
+        ``folder`` before a load looks there (its run opens, as the next save would open it: steps count on from
+        it), so what is loaded, and what a name may point at, is never in a host folder a clean close frees."""
+        engine = self.options.engine
+        if engine.get("keep_in_memory") != "host" or folder in self._runs or \
+                kind_of(LocalStorage(), folder) is not FileKind.DIR:
+            return
+        newest = latest(folder, host_memory_dir=engine.get("host_memory_dir"))
+        if newest is not None and os.path.dirname(newest) != folder:
+            self._run_for(folder)
 
     def remove_checkpoint(self, path: Any) -> None:
         name = os.path.abspath(os.fspath(path))
@@ -231,13 +244,19 @@ def _close_runs(runs: dict[str, _Run]) -> None:
         raise error
 
 
+def _is_run_folder(name: str) -> bool:
+    """``name`` is a directory and no step directory (a folder ``fabric.save`` wrote names and steps into)."""
+    storage = LocalStorage()
+    return kind_of(storage, name) is FileKind.DIR and kind_of(storage, os.path.join(name, MANIFEST)) is not FileKind.FILE
+
+
 def _lazyckpt_checkpoint(name: str) -> str | None:
     """The lazyckpt checkpoint ``name`` stands for: itself (a step directory, or a name linking to one), the newest
     step of a run folder, or None (an ordinary file, or nothing)."""
     storage = LocalStorage()
     if kind_of(storage, name) is not FileKind.DIR:
         return None
-    return name if kind_of(storage, os.path.join(name, MANIFEST)) is FileKind.FILE else latest(name)
+    return latest(name) if _is_run_folder(name) else name
 
 
 __all__ = ["LazyFabricIO"]

@@ -66,9 +66,23 @@ class PendingCheckpoint:
         :attr:`remote_failed`), or when none is due; ``wait``: block until then. Any thread; never raises."""
         return self._upload is None or self._upload.done.is_set() or (wait and self._upload.done.wait())
 
+    def remote_settled(self, *, wait: bool = False) -> bool:
+        """:meth:`remote_done`, counting the one retry of a failed upload (made at the next commit): True once this
+        checkpoint is committed remotely on either try, once its retry failed or will not come (closed), or when
+        none is due; ``wait``: block until then (a retry waits for a commit, or for
+        :meth:`~lazyckpt.levels.remote.upload.RemoteLevel.retry_failed`). Any thread; never raises."""
+        return self._upload is None or self._upload.settled.is_set() or (wait and self._upload.settled.wait())
+
+    @property
+    def remote_given_up(self) -> bool:
+        """True once this checkpoint's upload failed and no retry of it is to come, or its retry failed too."""
+        return (self._upload is not None and self._upload.settled.is_set()
+                and self._upload.last_try().error is not None)
+
     @property
     def remote_failed(self) -> bool:
-        """True once this checkpoint's upload failed (:meth:`wait_remote` raises its error)."""
+        """True once this checkpoint's first upload failed (:meth:`wait_remote` raises its error; its retry may
+        still commit it: :attr:`remote_given_up`)."""
         return self._upload is not None and self._upload.error is not None
 
     @property

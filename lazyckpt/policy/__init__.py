@@ -16,7 +16,7 @@ Lightning and Accelerate adapters only translate framework events into calls on 
 | ``fit`` | :func:`check_fits`: does a checkpoint fit this run (:class:`~lazyckpt.CheckpointMismatchError`) |
 | ``feedback`` | :class:`RunFeedback`: the summary at the end of a run, a warning when the write cannot keep up, "saved" once committed; :class:`Reporter`: where they go |
 | ``sharded`` | :func:`restore_sharded`: a sharded model and its optimizers filled from a checkpoint, resharded; :func:`per_rank_source` when the number of ranks changed |
-| ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files |
+| ``resume`` | :func:`resume_target`: "last" among both levels and another tool's files; :func:`committed_copy`: a host step's path in ``dirpath`` |
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lazyckpt.policy.names import NO_NAMES, CheckpointNames, Committed
 from lazyckpt.policy.options import (EngineOptions, SessionOptions, check_max_rollbacks, project_defaults,
                                      url_dirpath_levels)
 from lazyckpt.policy.randomness import ContinuedEpoch, ResumedRng, capture_rng, find_generators, restore_rng
-from lazyckpt.policy.resume import newest_checkpoint, resume_target, run_directory
+from lazyckpt.policy.resume import committed_copy, newest_checkpoint, resume_target, run_directory
 from lazyckpt.policy.rollback import Restored, RollbackPolicy, StepVote, is_nonfinite
 from lazyckpt.policy.session import CheckpointSession, open_directories
 from lazyckpt.policy.sharded import per_rank_source, restore_sharded
@@ -39,5 +39,5 @@ __all__ = ["NO_NAMES", "CheckpointNames", "CheckpointSession", "Committed", "Eng
            "ContinuedEpoch", "Reporter", "Restored", "ResumedRng", "RollbackPolicy", "RunFeedback", "RunLayout", "SessionOptions",
            "StepCounter", "StepRequests", "StepVote", "UpdateLoop", "capture_rng", "check_fits",
            "check_max_rollbacks", "checkpoint_metrics", "differences", "falling_behind", "find_generators",
-           "is_nonfinite", "newest_checkpoint", "open_directories", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
+           "committed_copy", "is_nonfinite", "newest_checkpoint", "open_directories", "per_rank_source", "project_defaults", "restore_rng", "restore_sharded",
            "resume_target", "run_directory", "run_summary", "summary_line", "url_dirpath_levels"]

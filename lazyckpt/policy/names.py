@@ -136,6 +136,13 @@ class CheckpointNames:
         self._names.pop(os.path.abspath(name), None)
         self._add(self._current, ("remove", name, None))
 
+    def adopt(self, step: int, names: list[str]) -> None:
+        """Name ``step``, committed in the directory already, with ``names``: a resumed host step's own names,
+        planned before a crash kept its copy from that directory (they were never put in place)."""
+        for name in names:
+            self._names[os.path.abspath(name)] = step
+        self._publish(_Request(-1, actions=[("link", name, step) for name in names], finished=True))
+
     # --- requests and their completion ----------------------------------------------------------------------
 
     @contextmanager
@@ -287,6 +294,9 @@ class _NoNames(CheckpointNames):
 
     def drop(self, name: str) -> None:
         return None
+
+    def adopt(self, step: int, names: list[str]) -> None:
+        return None  # nothing to name outside a fit
 
     @contextmanager
     def deciding(self) -> Iterator[None]:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from lazyckpt.format.catalog import is_committed
 from lazyckpt.format.files import MANIFEST, PARTIAL_SUFFIX, STEP_DIR
 from lazyckpt.levels.host import host_folder_owner
 from lazyckpt.read.load import latest
@@ -102,6 +103,19 @@ def _written_at(storage: Storage, path: str) -> float | None:
     files = [f for f in (storage.stat(os.path.join(path, name)) for name in storage.list_dir(path))
              if f is not None and f.kind is FileKind.FILE]
     return max((f.mtime for f in files), default=None)
+
+
+def committed_copy(path: str, storage: Storage | None = None) -> str:
+    """The path a resume from ``path`` goes by once its session is open: a step of a host folder, committed by then
+    in the ``dirpath`` that folder serves (a host-level engine commits it there before it returns), is that step
+    there, since a clean close frees the host folder; any other path, or a step not committed there, is itself."""
+    storage = storage if storage is not None else LocalStorage()
+    step_dir = os.path.abspath(os.fspath(path))
+    owner = host_folder_owner(storage, os.path.dirname(step_dir))
+    if owner is None or not STEP_DIR.fullmatch(os.path.basename(step_dir)):
+        return path
+    copy = os.path.join(owner, os.path.basename(step_dir))
+    return copy if is_committed(storage, copy) else path
 
 
 def resume_target(dirpath: str, options: SessionOptions, others: Iterable[str] = ()) -> str | None:

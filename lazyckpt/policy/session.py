@@ -34,6 +34,7 @@ from lazyckpt.levels.remote.contents import newest_checkpoint
 from lazyckpt.levels.retention import steps_to_purge
 from lazyckpt.pending import PendingCheckpoint
 from lazyckpt.policy.options import SessionOptions
+from lazyckpt.policy.resume import committed_copy
 from lazyckpt.ranks.group import default_store
 from lazyckpt.ranks.replicas import keep_unsynchronized_per_rank, synchronized_storages
 from lazyckpt.read.load import load
@@ -227,15 +228,21 @@ class CheckpointSession:
 
     def landed(self, pending: PendingCheckpoint) -> bool:
         """``pending`` is committed (or failed) in the directory its names and retention act on: with the host
-        level, once its copy from the host folder to that disk directory ended too. Never blocks."""
-        return pending.done() and (not self._names_follow_copy or pending.remote_done())
+        level, once its copy from the host folder to that disk directory ended too, its one retry included (a
+        failed copy is tried again at the next commit; its names wait for it). Never blocks."""
+        return pending.done() and (not self._names_follow_copy or pending.remote_settled())
 
     def wait_landed(self, pending: PendingCheckpoint) -> bool:
         """Block until ``pending`` :meth:`landed`; True when it is committed there, False when it failed there or
-        was skipped (the engine raises the failure at its next call)."""
+        was skipped (the engine raises the failure at its next call). A failed copy's retry is queued now rather
+        than at a next commit that may not come (the end of a run)."""
         if pending.failed or pending.wait() is None:
             return False
-        return not self._names_follow_copy or (pending.remote_done(wait=True) and not pending.remote_failed)
+        if not self._names_follow_copy:
+            return True
+        if pending.remote_done() and not pending.remote_settled():
+            self.engine.remote.retry_failed()
+        return pending.remote_settled(wait=True) and not pending.remote_given_up
 
     def purge(self, *, released: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Delete the committed checkpoints retention lets go (rank 0; see :func:`lazyckpt.levels.retention.steps_to_purge`):
@@ -294,9 +301,11 @@ class CheckpointSession:
 
     def newest(self) -> str | None:
         """The newest committed checkpoint of this run: on the local level or, with a remote level, there (its
-        URL) when it is newer, e.g. on a fresh node whose local directory is empty."""
+        URL) when it is newer, e.g. on a fresh node whose local directory is empty. With the host level, a step
+        committed in ``dirpath`` too is given there (a clean close frees the host folder)."""
         config = self.engine.config
-        return newest_checkpoint(self.engine.dirpath, config.remote, config.storage_options)
+        found = newest_checkpoint(self.engine.dirpath, config.remote, config.storage_options)
+        return committed_copy(found) if found is not None and self._names_follow_copy else found
 
     def load(self, path: str, **kwargs: Any) -> Any:
         """``lazyckpt.load(path, ...)``, reading a remote URL with this run's ``storage_options``."""

@@ -229,3 +229,36 @@ def _resume(engine, rank: int, dirpath: str, out: str, plan: str) -> None:
 def _write(out: str, rank: int, data: dict) -> None:
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
         json.dump(data, f)
+
+
+def host_scenario(rank: int, world_size: int, stage: int, dirpath: str, out: str, shm: str, plan: str) -> None:
+    """With ``keep_in_memory="host"`` (host folders under ``shm``). ``plan``:
+
+    * ``host-crash``: save at 2 (in ``dirpath``), then at 4, and die once step 4 is committed in the host folder
+      only (its copy to ``dirpath`` never begins: :mod:`helpers.host_faults`).
+    * ``host-resume``: ``engine.load_checkpoint(dirpath)`` must resume step 4 (``fp4``) from ``dirpath``, its
+      markers, tag and ``latest`` there; train to 6 and save it (its markers in ``dirpath`` too).
+    """
+    from helpers.host_faults import crash_once_stalled, stall_copy_to_disk
+    from lazyckpt.integrations.deepspeed import use_lazy_checkpoints
+
+    engine = build(stage, rank, world_size)
+    lazy = use_lazy_checkpoints(engine, keep_in_memory="host", host_memory_dir=shm)
+    if plan == "host-crash":
+        train(engine, rank, 2)
+        engine.save_checkpoint(dirpath)
+        lazy.wait()
+        reached = stall_copy_to_disk(4)
+        train(engine, rank, 4)
+        save_fingerprint(engine, out, rank, "fp4")
+        engine.save_checkpoint(dirpath)
+        crash_once_stalled(reached, CRASH_EXIT_CODE)
+    path, _ = engine.load_checkpoint(dirpath)
+    assert engine.global_steps == 4, (path, engine.global_steps)
+    assert_fingerprint(engine, out, rank, "fp4")
+    with open(os.path.join(dirpath, "latest")) as f:
+        assert f.read() == "global_step4"
+    assert os.readlink(os.path.join(dirpath, "global_step4")) == "step-0000004"
+    train(engine, rank, 6)
+    engine.save_checkpoint(dirpath)
+    lazy.close()

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         cb_kwargs.update(remote=args.remote, storage_options=args.storage_options)
     if args.every_n_train_steps:
         cb_kwargs["every_n_train_steps"] = args.every_n_train_steps
-    trainer, model, _ = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
+    trainer, model, callback = run(args.dirpath, ns=args.ns, max_epochs=args.max_epochs, crash_at=args.crash_at,
                             stall_copy_of=args.stall_copy_of,
                             resume=args.resume, devices=args.devices, strategy=args.strategy, callback_kwargs=cb_kwargs,
                             model_kwargs={"stateful_loader": args.stateful_loader,
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
                             out_at_start=args.out_at_start, model_checkpoint=args.model_checkpoint,
                             top_k_report=args.top_k_report)
     state = final_state(model, trainer) if args.out else None
-    if args.out and trainer.is_global_zero:
-        torch.save(state, args.out)
+    if args.out and trainer.is_global_zero:  # and the paths a user sees after the run
+        torch.save({**state, "ckpt_path": trainer.ckpt_path, "best_model_path": callback.best_model_path}, args.out)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Lightning leaves the group up; torn down at interpreter exit, gloo's threads now and then abort the
         # process ("terminate called without an active exception") after the run succeeded.

@@ -83,3 +83,22 @@ def test_the_next_update_waits_for_the_copy_at_the_base_optimizers_step(tmp_path
 
 def test_save_latest_false_a_second_tag_at_one_step_and_save_16bit_model(tmp_path):
     run_ranks(edge_cases, 1, 2, str(tmp_path / "ckpt"), str(tmp_path))
+
+
+def test_the_host_level_resumes_a_crash_kept_step_with_its_markers_tag_and_latest_in_dirpath(tmp_path):
+    from helpers.deepspeed_run import host_scenario
+
+    from lazyckpt.format.catalog import committed_steps
+    from lazyckpt.storage.urls import host_dir
+
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    codes = run_ranks(host_scenario, 1, 1, str(ckpt), str(tmp_path), str(shm), "host-crash", meet_at_end=False)
+    assert codes == {0: CRASH_EXIT_CODE}, codes
+    assert sorted(committed_steps(str(ckpt))) == [2] and 4 in committed_steps(host_dir(str(ckpt), str(shm)))
+    _run_host = run_ranks(host_scenario, 1, 1, str(ckpt), str(tmp_path), str(shm), "host-resume")
+    assert _run_host == {0: 0}
+    assert sorted(committed_steps(str(ckpt))) == [2, 4, 6]
+    for step in (4, 6):  # DeepSpeed's loader globs its file names next to the manifest: in dirpath
+        assert (ckpt / f"step-000000{step}" / "latest").read_text() == "checkpoint"
+    assert (ckpt / "latest").read_text() == "global_step6"
+    assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"

@@ -13,7 +13,8 @@ import pytest
 from test_accelerate_crash import (BATCH, CRASH_EXIT_CODE, EPOCHS, SAMPLES, assert_same_training_state, check,
                                    final, run_script)
 
-from lazyckpt.format.catalog import committed_steps
+from lazyckpt.format.catalog import committed_steps, is_committed
+from lazyckpt.storage import LocalStorage
 from lazyckpt.storage.urls import host_dir
 
 pytestmark = pytest.mark.slow
@@ -57,8 +58,13 @@ def test_lightning_resumes_last_from_the_host_folder_bit_exact_and_its_names_liv
 
     _train(ckpt, *host, "--resume", "last", out=tmp_path / "resumed.pt")
     _assert_identical(tmp_path / "full.pt", tmp_path / "resumed.pt", steps_resumed=8)  # from step 16
+    seen = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert seen["ckpt_path"] == str(ckpt / "step-0000016"), "trainer.ckpt_path names the step in dirpath"
+    assert is_committed(LocalStorage(), seen["ckpt_path"]), "and it outlives the host folder"
+    assert os.path.dirname(os.path.realpath(seen["best_model_path"])) == str(ckpt)
     assert _steps(ckpt) == [8, 16, 24]
     assert os.path.realpath(ckpt / "last.ckpt") == str(ckpt / "step-0000024"), "ModelCheckpoint's names in dirpath"
+    assert os.readlink(ckpt / "epoch=1-step=16.ckpt") == "step-0000016", "the names its save planned, put in place"
     assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"
 
 
@@ -100,3 +106,32 @@ def test_the_trainer_resumes_the_step_only_the_host_folder_holds_bit_exact_under
     assert (out / "checkpoint-6" / "trainer_state.json").is_file()
     assert _steps(ckpt) == [3, 6, 9, 12]
     assert not os.path.exists(host_dir(str(ckpt), str(shm)))
+
+
+def test_fabric_resumes_the_step_only_the_host_folder_holds_bit_exact_and_commits_it_in_dirpath(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from helpers import fabric_run
+
+    def train(name, *args, expect=0):
+        command = [sys.executable, fabric_run.__file__, "--out", str(tmp_path / f"{name}.pt"), *map(str, args)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+        assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return torch.load(tmp_path / f"{name}.pt", weights_only=False) if expect == 0 else None
+
+    ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
+    reference = train("reference", "--dirpath", tmp_path / "plain")
+    train("crashed", "--dirpath", ckpt, "--host-memory-dir", shm, "--stall-copy-of", 4,
+          expect=fabric_run.CRASH_EXIT_CODE)
+    assert max(_steps(ckpt)) == 3 and 4 in _steps(host_dir(str(ckpt), str(shm))), "step 4 in the host folder only"
+
+    resumed = train("resumed", "--dirpath", ckpt, "--host-memory-dir", shm, "--resume")
+    assert resumed["resumed_from"] == 4, "fabric.load(dirpath) found the host folder's step, not dirpath's older one"
+    for key, tensor in reference["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    steps = _steps(ckpt)
+    assert 4 in steps and 5 not in steps and steps[-1] == 6, "step 4 committed in dirpath, the steps count on after it"
+    assert os.readlink(ckpt / "last.ckpt") == "step-0000006"
+    assert not os.path.exists(host_dir(str(ckpt), str(shm))), "a clean close frees the host folder"

@@ -25,6 +25,20 @@ class RemoteUpload:
     nbytes: int = 0
     retry: bool = False
     """This is the one retry of a failed upload (made at the next commit); it is not retried again."""
+    settled: threading.Event = field(default_factory=threading.Event)
+    """Set once no try of this step is to come: committed, its retry ended, or its retry was dropped (closed, or
+    the local step gone). A retry shares its first try's event: whoever holds the first try sees the retry end."""
+    retried_by: RemoteUpload | None = None
+    """The retry made of this failed upload (:meth:`make_retry`)."""
+
+    def make_retry(self) -> RemoteUpload:
+        """The one retry of this failed upload, sharing its :attr:`settled`."""
+        self.retried_by = RemoteUpload(step=self.step, url=self.url, job=self.job, retry=True, settled=self.settled)
+        return self.retried_by
+
+    def last_try(self) -> RemoteUpload:
+        """This upload, or its retry once made: the try whose outcome stands."""
+        return self.retried_by if self.retried_by is not None else self
 
 
 @dataclass(frozen=True)

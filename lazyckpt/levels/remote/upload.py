@@ -166,25 +166,35 @@ class RemoteLevel:
         """Queue the committed local checkpoint of ``step`` (commit thread; returns at once), after the one retry
         of each upload that failed since the previous commit. Called before local retention runs: the steps
         queued are held from it until their upload is finished."""
-        for retry, retry_dir in self._take_retries():
-            self._enqueue(retry, retry_dir)
+        self.retry_failed()
         upload = self._uploads.get(step)
         if upload is not None:
             self._enqueue(upload, local_dir)
 
+    def retry_failed(self) -> None:
+        """Queue now the one retry of each upload that failed since the previous commit, as the next commit would:
+        for a caller about to wait for a retry with no commit to come (the end of a run). Any thread."""
+        for retry, retry_dir in self._take_retries():
+            self._enqueue(retry, retry_dir)
+
     def _take_retries(self) -> list[tuple[RemoteUpload, str]]:
         with self._lock:
             failed, self._to_retry = self._to_retry, []
-            retries = [(RemoteUpload(step=u.step, url=u.url, job=u.job, retry=True), d) for u, d in failed
-                       if self.local.stat(d) is not None]  # gone: the local level no longer keeps that step
+            retries = []
+            for upload, local_dir in failed:
+                if self.local.stat(local_dir) is None:  # gone: the local level no longer keeps that step
+                    upload.settled.set()
+                else:
+                    retries.append((upload.make_retry(), local_dir))
             self._uploads.update((r.step, r) for r, _ in retries)
         for upload, _ in retries:
             logger.info("lazyckpt: retrying the failed upload of step %d to %s", upload.step, upload.url)
         return retries
 
     def _enqueue(self, upload: RemoteUpload, local_dir: str) -> None:
-        if self._thread is None:
-            self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=UPLOAD_NICE)
+        with self._lock:  # the commit thread's submit and a training thread's retry_failed
+            if self._thread is None:
+                self._thread = start_background_thread(self._run, name="lazyckpt-upload", nice=UPLOAD_NICE)
         self._queue.put((upload, local_dir))
 
     def wait_backlog(self, keep: int) -> None:
@@ -212,6 +222,7 @@ class RemoteLevel:
             upload = self._uploads.pop(step, None)
         if upload is not None:
             upload.done.set()
+            upload.settled.set()
 
     def holds(self, step: int) -> bool:
         """True while the local checkpoint of ``step`` is still being uploaded or awaits its one retry (local
@@ -247,6 +258,7 @@ class RemoteLevel:
         with self._lock:  # no commit comes to retry them: local retention may take their steps now
             for upload, _ in self._to_retry:
                 logger.warning("lazyckpt: the failed upload of step %d is not retried (closed)", upload.step)
+                upload.settled.set()
             self._to_retry = []
 
     def _finish_cleanup_at_close(self, just_committed: int) -> None:
@@ -288,6 +300,8 @@ class RemoteLevel:
                         del self._uploads[upload.step]
                 self._release(upload.step)  # before done: whoever waits for the upload sees retention applied
                 upload.done.set()
+                if upload.error is None or upload.retry:  # else its retry comes (or close() drops it)
+                    upload.settled.set()
 
     def _release(self, step: int) -> None:
         if self.on_released is None or self.holds(step):
