@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 FORMAT_NAME = "lazyckpt"
 FORMAT_VERSION = 4
@@ -44,6 +45,8 @@ def rank_manifest(rank: int) -> str:
 
 
 
-def rank_members(world_size: int) -> list[str]:
-    """What a step of ``world_size`` ranks holds besides ``manifest.json``: each rank's manifest and tensor file."""
-    return [name for rank in range(world_size) for name in (rank_manifest(rank), rank_file(rank, world_size))]
+def rank_members(world_size: int, ranks: Iterable[int] | None = None) -> list[str]:
+    """What a step of ``world_size`` ranks holds besides ``manifest.json``: each rank's manifest and tensor file
+    (of ``ranks`` only, when given: a node's directory holds its own ranks' files)."""
+    return [name for rank in (range(world_size) if ranks is None else ranks)
+            for name in (rank_manifest(rank), rank_file(rank, world_size))]

@@ -55,7 +55,7 @@ def fail_copy_to_disk_once(step: int, patch=setattr) -> threading.Event:
     """Patch the uploader so that the first copy of ``step`` to ``dirpath`` fails (an ``OSError`` before its first
     byte, as a full or vanished disk gives) and later ones run; returns an event set once it failed."""
     failed = threading.Event()
-    copy_step = RemoteLevel._upload_step
+    copy_step = RemoteLevel.upload_step
 
     def failing(self, step_url: str, local_dir: str, attempt: str, **kwargs) -> int:
         if step_of_dir(local_dir) == step and not failed.is_set():
@@ -63,5 +63,5 @@ def fail_copy_to_disk_once(step: int, patch=setattr) -> threading.Event:
             raise OSError(f"injected: the copy of step {step} to dirpath fails")
         return copy_step(self, step_url, local_dir, attempt, **kwargs)
 
-    patch(RemoteLevel, "_upload_step", failing)
+    patch(RemoteLevel, "upload_step", failing)
     return failed

@@ -127,8 +127,7 @@ class RemoteLevel:
 
     @property
     def listed_at(self) -> tuple[Storage, str]:
-        """Where this level's steps are listed (and pruned): ``url`` by the object-store rule, or a per-node
-        ``dirpath`` by the file system's (:meth:`share_url`)."""
+        """Where steps are listed and pruned: ``url`` (object-store rule), or :meth:`share_url`'s node directory."""
         return (self.storage, self.url) if self._node_dir is None else (self.local, self._node_dir)
 
     @property
@@ -335,7 +334,7 @@ class RemoteLevel:
         that every object it names is there (each rank's manifest and tensor file): a step whose files an outage or
         another job took is never committed. Returns its bytes."""
         there = set(self.storage.list_dir(step_url))
-        missing = [name for name in self._members_files() if name not in there]
+        missing = [name for name in rank_members(self.world_size, self.members) if name not in there]
         if missing:
             raise FileNotFoundError(errno.ENOENT, f"lazyckpt: {step_url} lacks {missing[:4]} ({len(missing)} in all) "
                                     "although every rank announced its upload; the commit object is not written")
@@ -362,9 +361,6 @@ class RemoteLevel:
             owned = {*rank_members(self.world_size), MANIFEST}
             mine[:0] = sorted(n for n in self.local.list_dir(local_dir) if n not in owned)
         return mine
-
-    def _members_files(self) -> list[str]:
-        return [name for rank in self.members for name in (rank_manifest(rank), rank_file(rank, self.world_size))]
 
     def _copy(self, src: str, dst: str) -> int:
         """Copy one committed local file to the remote in pieces; returns its size."""
