@@ -405,3 +405,29 @@ def test_host_level_refuses_a_restore_that_read_another_copy_or_another_state(mo
         host_restore.check_restores({**good, "disk": good["host"]}, sources)
     with pytest.raises(RuntimeError, match="loss differs between the sources"):
         host_restore.check_restores({**good, "disk": [{"path": "/run/step-0000002", "loss": 1.25}]}, sources)
+
+
+# --- benchmarks/peer_copy.py: restarts after a lost node from the peer's copy, the loop with memory_peers=1 --------
+
+
+@pytest.mark.slow
+def test_peer_copy_small_restores_a_lost_node_from_its_peer_and_frees_the_host_folders(tmp_path):
+    shm, work, out = tmp_path / "shm", tmp_path / "work", tmp_path / "peer.json"
+    shm.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "peer_copy.py"), "--small", "--host-memory-dir",
+                           str(shm), "--workdir", str(work), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(out.read_text())
+    runs = data["restore_runs"]
+    assert set(runs) == {"host", "peer", "disk"}
+    for source, done in runs.items():  # each rank read its own node's copy: tmpfs, or the disk after a reboot
+        for r in done:
+            assert all(rank["path"].startswith(str(shm if source != "disk" else work) + "/") for rank in r["ranks"])
+    for rank in (0, 1):
+        assert len({r["ranks"][rank]["loss"] for done in runs.values() for r in done}) == 1
+    for threads, summary in data["loops"].items():
+        assert set(summary) == {"none", "peers0", "peers1"}, threads
+        assert summary["peers1"]["stall_ms"] > 0
+    assert "| node 0 lost: the peer's copy |" in proc.stdout and "| `memory_peers=1` |" in proc.stdout
+    assert os.listdir(shm) == [] and os.listdir(work) == []
