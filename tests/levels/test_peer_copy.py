@@ -192,6 +192,7 @@ def _keeper_runs_out_of_room(rank: int, world_size: int, tmp: str) -> None:
     assert peer.failures == (1 if rank >= PER_NODE else 0), (rank, peer.failures)
     dist.barrier()  # every keeper is done
     kept = sorted(os.listdir(_kept(tmp, peer.keeper[rank], rank)))
+    dist.barrier()  # every rank looked before any keeper closes (and frees its copies)
     assert kept == (["step-0000001", "step-0000003"] if rank < PER_NODE else ["step-0000002", "step-0000003"]), kept
     ckpt.close()
 
