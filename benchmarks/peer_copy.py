@@ -23,7 +23,7 @@ The rank side is ``peer_ranks.py``; every phase starts two fresh processes (gloo
   steps are pooled.
 
 Usage:
-    python benchmarks/peer_copy.py --json peer.json   # half the default state per rank, ~8 min on 2 cores
+    python benchmarks/peer_copy.py --json peer.json   # half the default state per rank (see docs/benchmarks.md)
     python benchmarks/peer_copy.py --small            # a tiny model, 1 repeat: the smoke test runs it
 """
 
